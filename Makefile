@@ -1,0 +1,50 @@
+# graphfleet: the two commands are `make run` and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+# Use the active virtualenv if there is one, else ./.venv (created on demand).
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),$(CURDIR)/.venv)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.graphfleet-installed
+CACHE ?= $(HOME)/.cache/graphfleet
+# The GPU machine has no network: test-gpu and bench run from the checkout with its python3.
+GPU_PY ?= python3
+
+.PHONY: help run test test-gpu bench lint install
+
+help:
+	@echo "make run       generate the tiny-llama checkpoint (once) and run a batch generation"
+	@echo "make test      install what the tests need and run the CPU test suite"
+	@echo "make test-gpu  run the GPU tests (on a CUDA machine, from the checkout)"
+	@echo "make bench     run the GPU benchmarks (results in bench/results/)"
+	@echo "make lint      ruff"
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# CPU torch first: `torch==2.13.0` is on these machines' local disk; elsewhere any torch >= 2.9.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 9))' 2>/dev/null \
+	  || $(PY) -m pip install -q torch==2.13.0 \
+	  || $(PY) -m pip install -q 'torch>=2.9'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	@test -f $(CACHE)/tiny-llama/config.json || $(VENV)/bin/graphfleet make-checkpoint --preset tiny-llama --out $(CACHE)/tiny-llama
+	$(VENV)/bin/graphfleet demo --model $(CACHE)/tiny-llama
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" -q
+
+test-gpu:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) -m pytest -m gpu -q -p no:cacheprovider
+
+bench:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) bench/engine.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .

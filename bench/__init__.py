@@ -1,0 +1,1 @@
+"""Benchmarks (run on a GPU machine); each writes JSON to bench/results/."""

@@ -1,0 +1,106 @@
+"""Shared benchmark plumbing: environment record, bandwidth probe, timing, results."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def commit() -> str:
+    if os.environ.get("GRAPHFLEET_COMMIT"):
+        return os.environ["GRAPHFLEET_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of repeats."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = cuda_times(lambda: dst.copy_(src), repeats=repeats, warmup=3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def cuda_times(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[float]:
+    """Seconds per call of ``fn``, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return out
+
+
+def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[float]:
+    """Seconds per call of a ``fn`` that synchronises itself (e.g. an engine step)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    path = RESULTS / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, path.name).write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,1 @@
+"""Deployment: configuration and launch of graphfleet."""

@@ -1,0 +1,7 @@
+"""``python -m deploy`` is the ``graphfleet`` command."""
+
+import sys
+
+from deploy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""Test harness around our model for comparisons with HF transformers (no engine, no sampling)."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention.factory import create_attention_backend
+from worker.kv_cache import KVCacheShape, PageAllocator, PagedKVCache
+from worker.model.loader import load_model
+from worker.model_runner import ModelRunner
+from worker.request import Request
+from worker.sampling.params import SamplingParams
+from worker.scheduler import ScheduledBatch
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.float().cpu(), ref.float().cpu()
+    return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+class OwnModel:
+    """Our model over our paged KV cache; steps return logits for every token in the batch."""
+
+    def __init__(self, model_dir, dtype=torch.float32, device="cpu", backend="torch",
+                 num_pages=256, page_size=16, kernels=None):
+        device = torch.device(device)
+        self.model, self.arch = load_model(model_dir, dtype, device, kernels=kernels)
+        shape = self.model.attention_shape
+        self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, page_size, shape.num_kv_heads,
+                                               self.arch.head_dim), dtype, device)
+        self.attention = create_attention_backend(backend, shape, self.cache, 64, 4096, num_pages)
+        self.runner = ModelRunner(self.model, self.attention)
+        self.allocator = PageAllocator(num_pages)
+        self.page_size = page_size
+
+    def new_request(self, ids: list[int], rid: int) -> Request:
+        return Request(str(rid), list(ids), SamplingParams(), 0, rid)
+
+    def step(self, reqs: list[Request], num_new: list[int], is_prefill: bool) -> torch.Tensor:
+        """Run ``num_new[i]`` next tokens of each request; returns logits (tokens, vocab) float32."""
+        for r, n in zip(reqs, num_new):
+            r.pages.extend(self.allocator.allocate(r.pages_needed(r.num_computed + n, self.page_size)))
+        batch = ScheduledBatch(is_prefill, reqs, [r.num_computed for r in reqs], num_new, [True] * len(reqs))
+        hidden = self.runner.forward(self.runner.prepare(batch))
+        for r, n in zip(reqs, num_new):
+            r.num_computed += n
+        return self.model.compute_logits(hidden)
+
+
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    """HF transformers' logits (len(ids), vocab) for one unpadded sequence."""
+    device = next(hf_model.parameters()).device
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids], device=device)).logits[0].float()

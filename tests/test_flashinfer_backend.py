@@ -1,0 +1,307 @@
+"""FlashInferBackend and the flashinfer element-wise kernels against plain-PyTorch references.
+
+The GPU tests need CUDA and flashinfer; the metadata and import tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionBatch, AttentionShape, slot_mapping
+from worker.attention.flashinfer_backend import INSTALL_HINT, FlashInferBackend, build_metadata
+from worker.kv_cache import KVCacheShape, PagedKVCache
+
+PAGE = 16
+HQ, HKV, D = 8, 2, 128
+LAYERS, NUM_PAGES = 2, 96
+LAYER = 1
+DTYPE = torch.bfloat16
+SHAPE = AttentionShape(HQ, HKV, D, 1.0 / math.sqrt(D))
+TOL = dict(rtol=2e-2, atol=2e-2)
+DUMMY = PagedKVCache.DUMMY_PAGE
+
+
+@pytest.fixture
+def flashinfer():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return pytest.importorskip("flashinfer")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_cache() -> PagedKVCache:
+    cache = PagedKVCache(KVCacheShape(LAYERS, NUM_PAGES, PAGE, HKV, D), DTYPE, "cuda")
+    cache.kv.normal_()  # every page, prefixes included, holds random K/V
+    return cache
+
+
+class Pages:
+    """Hands out distinct, shuffled pages 1..NUM_PAGES-1 (page 0 is the dummy page)."""
+
+    def __init__(self, seed: int) -> None:
+        self.free = list(range(1, NUM_PAGES))
+        random.Random(seed).shuffle(self.free)
+
+    def table(self, seq_len: int) -> list[int]:
+        return [self.free.pop() for _ in range(-(-seq_len // PAGE))]
+
+
+def prefill_batch(pages: Pages, seq_lens: list[int], q_lens: list[int], num_tokens: int) -> AttentionBatch:
+    return AttentionBatch(True, seq_lens, q_lens, [pages.table(s) for s in seq_lens], num_tokens)
+
+
+def decode_batch(pages: Pages, seq_lens: list[int], num_rows: int) -> AttentionBatch:
+    pad = num_rows - len(seq_lens)
+    return AttentionBatch.decode(seq_lens + [1] * pad, [pages.table(s) for s in seq_lens] + [[DUMMY]] * pad)
+
+
+def qkv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(tokens, h, D, generator=g, device="cuda").to(DTYPE) for h in (HQ, HKV, HKV))
+
+
+def reference(cache: torch.Tensor, batch: AttentionBatch, q: torch.Tensor) -> torch.Tensor:
+    """Per-request causal GQA attention in fp32 over the pages gathered from ``cache`` (one layer)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    group, offset = HQ // HKV, 0
+    for seq_len, q_len, table in zip(batch.seq_lens, batch.query_lens, batch.page_tables, strict=True):
+        if q_len:
+            pages = torch.tensor(table[: -(-seq_len // PAGE)], device=q.device)
+            k = cache[pages, 0].reshape(-1, HKV, D)[:seq_len].float().repeat_interleave(group, dim=1)
+            v = cache[pages, 1].reshape(-1, HKV, D)[:seq_len].float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[offset: offset + q_len].float(), k) * SHAPE.scale
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            out[offset: offset + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        offset += q_len
+    return out
+
+
+def real_rows(batch: AttentionBatch) -> int:
+    """Tokens whose output is checked: decode padding rows and prefill tail padding are excluded."""
+    if batch.is_prefill:
+        return sum(batch.query_lens)
+    return sum(1 for t in batch.page_tables if t != [DUMMY])
+
+
+def check(backend: FlashInferBackend, batch: AttentionBatch, q, k, v, out: torch.Tensor) -> None:
+    torch.cuda.synchronize()
+    cache = backend.kv_cache.layer(LAYER)
+    n = real_rows(batch)
+    slots = torch.tensor(slot_mapping(batch, PAGE)[:n], device="cuda")
+    assert torch.equal(cache[slots // PAGE, 0, slots % PAGE], k[:n]), "K not stored at the planned slots"
+    assert torch.equal(cache[slots // PAGE, 1, slots % PAGE], v[:n]), "V not stored at the planned slots"
+    assert out.shape == (batch.num_tokens, HQ, D) and out.dtype == DTYPE
+    torch.testing.assert_close(out[:n].float(), reference(cache, batch, q)[:n], **TOL)
+
+
+def capture(backend: FlashInferBackend, q, k, v) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager warm-up: JIT loads and cached buffers happen outside capture
+        backend.run(LAYER, q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.run(LAYER, q, k, v)
+    return graph, out
+
+
+# ---------------------------------------------------------------- CPU tests
+
+
+def test_metadata_sentinel_rows_are_empty_requests():
+    batch = AttentionBatch(True, [33, 0, 16, 5], [13, 0, 16, 5], [[7, 3, 9], [], [2, 8], [4]], 36)
+    qo, kv, last, indices, slots = build_metadata(batch, PAGE)
+    assert qo == [0, 13, 13, 29, 34]
+    assert kv == [0, 3, 3, 4, 5]
+    assert last == [1, 0, 16, 5]
+    assert indices == [7, 3, 9, 2, 4]  # only the pages covering seq_len
+    assert slots == slot_mapping(batch, PAGE) and len(slots) == 36
+    # flashinfer's kv length: 0 without pages, else (pages - 1) * page_size + last_page_len
+    lengths = [0 if kv[i + 1] == kv[i] else (kv[i + 1] - kv[i] - 1) * PAGE + last[i] for i in range(4)]
+    assert lengths == batch.seq_lens
+
+
+def test_metadata_rejects_short_page_table():
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        build_metadata(AttentionBatch.decode([17], [[5]]), PAGE)
+
+
+def test_module_imports_without_flashinfer_and_construction_explains(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    cache = PagedKVCache(KVCacheShape(1, 4, PAGE, HKV, D), DTYPE, "cpu")
+    with pytest.raises(ImportError, match="graphfleet\\[gpu\\]"):
+        FlashInferBackend(SHAPE, cache, 4, 64)
+    assert "attention.backend=torch" in INSTALL_HINT
+
+
+# ---------------------------------------------------------------- attention (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail_padding", [0, 5])
+def test_prefill_matches_reference(flashinfer, tail_padding):
+    backend = FlashInferBackend(SHAPE, make_cache(), 8, 256)
+    before = backend.kv_cache.layer(0).clone()
+    # chunked-prefill continuation, fresh request, sentinel, multi-page fresh, one-token continuation
+    seq_lens, q_lens = [33, 5, 0, 40, 17], [13, 5, 0, 40, 1]
+    batch = prefill_batch(Pages(0), seq_lens, q_lens, sum(q_lens) + tail_padding)
+    backend.plan(batch)
+    q, k, v = qkv(batch.num_tokens, seed=1)
+    out = backend.run(LAYER, q, k, v)
+    check(backend, batch, q, k, v, out)
+    assert torch.equal(backend.kv_cache.layer(0), before), "another layer's cache was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_decode_with_padding_rows_matches_reference(flashinfer, tensor_cores):
+    backend = FlashInferBackend(SHAPE, make_cache(), 8, 256, decode_use_tensor_cores=tensor_cores)
+    batch = decode_batch(Pages(2), [1, 17, 33, 64, 5], num_rows=8)
+    backend.plan(batch)
+    q, k, v = qkv(8, seed=3)
+    check(backend, batch, q, k, v, backend.run(LAYER, q, k, v))
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_replays_after_replanning(flashinfer):
+    cache = make_cache()
+    backend = FlashInferBackend(SHAPE, cache, 8, 256)
+    eager = FlashInferBackend(SHAPE, cache, 8, 256)  # same cache, no graph wrappers
+    rows = 8
+    backend.graph_wrapper(False, rows)
+    q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
+    backend.plan(decode_batch(Pages(4), [3, 9], rows))
+    graph, out = capture(backend, q, k, v)
+
+    # two different batches through the same graph: lengths, pages and padding all change
+    for seed, seq_lens in ((5, [1, 17, 33, 64, 80]), (6, [40, 2, 16, 15, 31, 32, 48, 7])):
+        batch = decode_batch(Pages(seed), seq_lens, rows)
+        backend.plan(batch)
+        for dst, src in zip((q, k, v), qkv(rows, seed), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        check(backend, batch, q, k, v, out)
+        eager.plan(batch)
+        expected = eager.run(LAYER, q, k, v)  # rewrites the same K/V at the same slots
+        n = real_rows(batch)
+        torch.testing.assert_close(out[:n].float(), expected[:n].float(), **TOL)
+
+
+@pytest.mark.gpu
+def test_prefill_cuda_graph_replays_with_more_tokens_than_captured(flashinfer):
+    cache = make_cache()
+    backend = FlashInferBackend(SHAPE, cache, 8, 256)
+    eager = FlashInferBackend(SHAPE, cache, 8, 256)
+    rows, tokens = 4, 64
+    backend.graph_wrapper(True, rows, tokens)
+    q, k, v = (torch.zeros(tokens, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
+    backend.plan(prefill_batch(Pages(7), [20, 8, 0, 0], [12, 8, 0, 0], tokens))
+    graph, out = capture(backend, q, k, v)
+
+    cases = ((8, [50, 30, 0, 10], [30, 20, 0, 10]), (9, [64, 0, 0, 0], [64, 0, 0, 0]),
+             (10, [3, 90, 0, 0], [3, 2, 0, 0]))
+    for seed, seq_lens, q_lens in cases:
+        batch = prefill_batch(Pages(seed), seq_lens, q_lens, tokens)
+        backend.plan(batch)
+        for dst, src in zip((q, k, v), qkv(tokens, seed), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        check(backend, batch, q, k, v, out)
+        eager.plan(batch)
+        expected = eager.run(LAYER, q, k, v)
+        n = real_rows(batch)
+        torch.testing.assert_close(out[:n].float(), expected[:n].float(), **TOL)
+
+
+@pytest.mark.gpu
+def test_plan_rejects_oversized_batches(flashinfer):
+    backend = FlashInferBackend(SHAPE, make_cache(), 2, 8)
+    with pytest.raises(ValueError, match="exceeds"):
+        backend.plan(AttentionBatch.decode([1, 1, 1], [[DUMMY]] * 3))
+    with pytest.raises(ValueError, match="query_len=1"):
+        backend.plan(AttentionBatch(False, [4], [2], [[1]], 2))
+
+
+# ---------------------------------------------------------------- element-wise kernels (GPU)
+
+
+@pytest.fixture
+def fk(flashinfer):
+    from worker.model import flashinfer_kernels
+
+    assert flashinfer_kernels.available()
+    return flashinfer_kernels
+
+
+def rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(7, 1024), (2, 5, 1024)])
+def test_rms_norm(fk, shape):
+    x = torch.randn(shape, device="cuda").to(DTYPE)
+    w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(DTYPE)
+    out = fk.rms_norm(x, w, 1e-5)
+    assert out.shape == x.shape and out.dtype == DTYPE
+    torch.testing.assert_close(out.float(), rms_ref(x, w, 1e-5), **TOL)
+
+
+@pytest.mark.gpu
+def test_fused_add_rms_norm_is_in_place(fk):
+    x = torch.randn(9, 1024, device="cuda").to(DTYPE)
+    res = torch.randn(9, 1024, device="cuda").to(DTYPE)
+    w = (1 + 0.1 * torch.randn(1024, device="cuda")).to(DTYPE)
+    total = x.float() + res.float()
+    expected = rms_ref(total, w, 1e-6)
+    normed, new_res = fk.fused_add_rms_norm(x, res, w, 1e-6)
+    assert normed.data_ptr() == x.data_ptr() and new_res.data_ptr() == res.data_ptr()
+    torch.testing.assert_close(new_res.float(), total, **TOL)
+    torch.testing.assert_close(normed.float(), expected, **TOL)
+
+
+@pytest.mark.gpu
+def test_silu_and_mul(fk):
+    x = torch.randn(3, 5, 2 * 704, device="cuda").to(DTYPE)
+    out = fk.silu_and_mul(x)
+    assert out.shape == (3, 5, 704)
+    torch.testing.assert_close(out.float(), F.silu(x[..., :704].float()) * x[..., 704:].float(), **TOL)
+
+
+def neox_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x = x.float().view(x.shape[0], -1, D)
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1)
+
+
+@pytest.mark.gpu
+def test_apply_rope_neox_in_place_on_fused_qkv_views(fk):
+    tokens, hq, hk, max_pos = 11, 4, 2, 512
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    freqs = torch.arange(max_pos, device="cuda").float()[:, None] * inv_freq[None, :]
+    cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda")
+    fused = torch.randn(tokens, (hq + 2 * hk) * D, device="cuda").to(DTYPE)
+    original = fused.clone()
+    q, k = fused[:, : hq * D], fused[:, hq * D: (hq + hk) * D]
+    cos, sin = freqs[positions].cos(), freqs[positions].sin()
+    q_ref, k_ref = neox_rope_ref(q, cos, sin), neox_rope_ref(k, cos, sin)
+
+    q_out, k_out = fk.apply_rope(positions, q, k, D, cos_sin_cache)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(q_out.float(), q_ref, **TOL)
+    torch.testing.assert_close(k_out.float(), k_ref, **TOL)
+    assert torch.equal(fused[:, (hq + hk) * D:], original[:, (hq + hk) * D:]), "v slice was modified"

@@ -1,0 +1,1 @@
+"""graphfleet worker: model execution, scheduling, KV cache and sampling on one rank."""

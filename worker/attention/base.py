@@ -1,0 +1,117 @@
+"""The attention-backend seam: ``plan`` on the host, ``run`` on the device.
+
+A backend owns preallocated metadata buffers sized for the largest batch it will ever see.
+``plan`` (host side, never inside a CUDA graph) writes one step's metadata into those buffers;
+``run`` (device side, graph-safe) reads only those buffers and the paged KV cache, so a graph
+captured around ``run`` stays valid when the next step's ``plan`` rewrites the buffers in place.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from worker.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Per-rank attention geometry of a model."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+@dataclass
+class AttentionBatch:
+    """Host-side description of one step's attention work, one entry per request row.
+
+    Row ``i`` appends ``query_lens[i]`` new tokens so that the request holds ``seq_lens[i]``
+    tokens in the cache afterwards; its pages are ``page_tables[i]`` (covering ``seq_lens[i]``).
+    Tokens are laid out request after request in the flat token dimension.
+
+    Padding rows inserted by a graph runner use the reserved dummy page
+    (``PagedKVCache.DUMMY_PAGE``): decode padding has ``query_len=1, seq_len=1``; prefill
+    sentinels have ``query_len=0, seq_len=0`` and an empty page table.
+    ``num_tokens`` may exceed ``sum(query_lens)``: the tail tokens are padding whose KV goes to
+    the dummy page and whose attention output is never read.
+    """
+
+    is_prefill: bool
+    seq_lens: list[int]
+    query_lens: list[int]
+    page_tables: list[list[int]]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        n = len(self.seq_lens)
+        if len(self.query_lens) != n or len(self.page_tables) != n:
+            raise ValueError("seq_lens, query_lens and page_tables must have one entry per row")
+        if sum(self.query_lens) > self.num_tokens:
+            raise ValueError(f"num_tokens={self.num_tokens} < sum(query_lens)={sum(self.query_lens)}")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens)
+
+    @classmethod
+    def decode(cls, seq_lens: list[int], page_tables: list[list[int]]) -> "AttentionBatch":
+        return cls(False, list(seq_lens), [1] * len(seq_lens), page_tables, len(seq_lens))
+
+    @classmethod
+    def prefill(
+        cls, seq_lens: list[int], query_lens: list[int], page_tables: list[list[int]]
+    ) -> "AttentionBatch":
+        return cls(True, list(seq_lens), list(query_lens), page_tables, sum(query_lens))
+
+
+def slot_mapping(batch: AttentionBatch, page_size: int) -> list[int]:
+    """Flat KV slot (``page * page_size + offset``) for every token of ``batch``, padding included."""
+    slots: list[int] = []
+    for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+    pad = batch.num_tokens - len(slots)
+    slots.extend([PagedKVCache.DUMMY_PAGE * page_size] * pad)
+    return slots
+
+
+class AttentionBackend(ABC):
+    """Paged attention for every layer of one model on one rank.
+
+    Contract for ``run``: no allocation outside the caching allocator/graph pool, no host
+    synchronisation, no Python-side state that changes between steps; it reads the metadata
+    buffers written by the last ``plan`` and the KV cache.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, shape: AttentionShape, kv_cache: PagedKVCache,
+                 max_num_rows: int, max_num_tokens: int) -> None:
+        self.shape = shape
+        self.kv_cache = kv_cache
+        self.max_num_rows = max_num_rows
+        self.max_num_tokens = max_num_tokens
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.device
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> None:
+        """Write ``batch``'s metadata into this backend's buffers (host side, outside graphs)."""
+
+    @abstractmethod
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k, v`` (tokens, kv_heads, head_dim) into the cache and attend.
+
+        ``q`` is (tokens, q_heads, head_dim); returns (tokens, q_heads, head_dim).
+        """
+
+    def graph_safe(self, is_prefill: bool) -> bool:
+        """Whether ``run`` for this phase may be recorded inside a CUDA graph."""
+        return True

@@ -1,0 +1,38 @@
+"""Choosing and building the attention backend named by ``attention.backend``."""
+
+from __future__ import annotations
+
+import logging
+
+from worker.attention.base import AttentionBackend, AttentionShape
+from worker.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+
+def flashinfer_importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int,
+                             max_num_tokens: int, max_pages_per_row: int) -> AttentionBackend:
+    """``auto`` takes flashinfer when the cache is on CUDA and flashinfer imports, else torch."""
+    if name == "auto":
+        name = "flashinfer" if kv_cache.device.type == "cuda" and flashinfer_importable() else "torch"
+        if name == "torch" and kv_cache.device.type == "cuda":
+            log.warning("attention.backend=auto: flashinfer not importable, using the torch reference backend")
+    if name == "torch":
+        from worker.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(shape, kv_cache, max_num_rows, max_num_tokens, max_pages_per_row)
+    if name == "flashinfer":
+        if kv_cache.device.type != "cuda":
+            raise ValueError("attention.backend=flashinfer needs a CUDA device; use attention.backend=torch on CPU")
+        from worker.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(shape, kv_cache, max_num_rows, max_num_tokens, max_pages_per_row)
+    raise ValueError(f"attention.backend={name!r}; allowed: auto, torch, flashinfer")

@@ -1,0 +1,281 @@
+"""Paged attention on flashinfer's batch prefill / decode wrappers (CUDA only).
+
+Metadata lives in one preallocated int32 device buffer, cut into fixed regions::
+
+    qo_indptr [R+1] | paged_kv_indptr [R+1] | paged_kv_last_page_len [R] | slots [T] | paged_kv_indices [N]
+
+with a pinned host twin of the same layout. ``plan`` fills the host twin, issues one
+non-blocking H2D copy of the used prefix, then calls the chosen wrapper's ``plan`` (flashinfer
+runs its scheduler on the host and uploads the work split into the wrapper's own int workspace
+with an async copy; it never synchronises the device, but it makes small H2D copies from pageable
+memory, so it must never run inside a CUDA graph capture). ``run`` writes K/V with ``append_paged_kv_cache`` and
+calls the wrapper's ``run``: device work only, so it can be captured.
+
+CUDA graphs: a flashinfer wrapper created with ``use_cuda_graph=True`` keeps pointers to the
+index buffers it was given and has a fixed batch size. :meth:`FlashInferBackend.graph_wrapper`
+creates one per captured shape, bound to prefixes of the shared regions above. Once it exists,
+every ``plan`` of a batch with exactly that shape routes to it, so a graph runner does::
+
+    backend.graph_wrapper(is_prefill, num_rows, num_tokens)   # once per shape, before capture
+    backend.plan(capture_batch); model(...)                   # eager warm-up (JIT, caches)
+    with torch.cuda.graph(g): model(...)                      # records run(): kernels read the buffers
+    ...
+    backend.plan(batch); g.replay()                           # every step: re-plan, then replay
+
+Each flashinfer wrapper owns an 8 MiB device int workspace and an 8 MiB pinned twin; the float
+workspace is shared by all of them (kernels are stream-ordered, so split-KV scratch never
+overlaps). ``plan`` and ``run``/replay must be issued on the same CUDA stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, slot_mapping
+from worker.kv_cache import PagedKVCache
+
+INSTALL_HINT = "flashinfer is not installed; install graphfleet[gpu] or set attention.backend=torch"
+
+
+def _import_flashinfer() -> Any:
+    try:
+        import flashinfer
+        import flashinfer.page  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install is as unusable as a missing one
+        raise ImportError(INSTALL_HINT) from exc
+    return flashinfer
+
+
+def build_metadata(batch: AttentionBatch, page_size: int
+                   ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Host-side flashinfer CSR metadata for ``batch``.
+
+    Returns ``(qo_indptr, kv_indptr, last_page_len, indices, slots)``. A row with ``seq_len=0``
+    (prefill sentinel) gets zero pages and ``last_page_len=0``, which flashinfer reads as an
+    empty request both on the host (``get_seq_lens``) and in its kernels; otherwise
+    ``1 <= last_page_len <= page_size``.
+    """
+    qo, kv, last, indices = [0], [0], [], []
+    for i, (seq_len, q_len, pages) in enumerate(zip(batch.seq_lens, batch.query_lens, batch.page_tables, strict=True)):
+        if q_len < 0 or seq_len < q_len:
+            raise ValueError(f"row {i}: query_len={q_len} must be in [0, seq_len={seq_len}]")
+        n = -(-seq_len // page_size)
+        if len(pages) < n:
+            raise ValueError(f"row {i}: seq_len={seq_len} needs {n} pages, page table has {len(pages)}")
+        indices.extend(pages[:n])
+        qo.append(qo[-1] + q_len)
+        kv.append(kv[-1] + n)
+        last.append(seq_len - (n - 1) * page_size if n else 0)
+    return qo, kv, last, indices, slot_mapping(batch, page_size)
+
+
+class FlashInferBackend(AttentionBackend):
+    """flashinfer paged attention: FA2 batch prefill (causal, GQA) and batch decode.
+
+    ``max_pages_per_row`` bounds one row's page table (default: every usable page); the
+    indices region holds ``max_num_rows * max_pages_per_row`` entries. ``workspace_bytes`` is
+    the shared float workspace (split-KV partial outputs; prefill graphs with many tokens need
+    the most). ``decode_use_tensor_cores`` selects flashinfer's tensor-core decode (the FA2
+    prefill kernel with one query row per request) instead of the CUDA-core decode kernel:
+    vLLM always enables it (it is never slower, and much faster for GQA groups > 4) and SGLang
+    enables it for groups >= 4, i.e. for every Llama-3 shape. ``q_dtype`` is the query/output
+    dtype (default: the cache dtype).
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int, max_num_tokens: int,
+                 max_pages_per_row: int | None = None, *, workspace_bytes: int = 256 << 20,
+                 decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None) -> None:
+        super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
+        self._fi = _import_flashinfer()
+        dev = kv_cache.device
+        if dev.type != "cuda":
+            raise ValueError("FlashInferBackend needs the KV cache on a CUDA device; use attention.backend=torch")
+        if shape.num_q_heads % shape.num_kv_heads:
+            raise ValueError(f"num_q_heads={shape.num_q_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
+        if (kv_cache.shape.num_kv_heads, kv_cache.shape.head_dim) != (shape.num_kv_heads, shape.head_dim):
+            raise ValueError("KV cache geometry does not match the attention shape")
+        ps = kv_cache.page_size
+        if kv_cache.num_pages * ps >= 2**31:
+            raise ValueError("KV cache has >= 2**31 slots; flashinfer's int32 indices cannot address it")
+        self.page_size = ps
+        self.q_dtype = q_dtype or kv_cache.dtype
+        self.decode_use_tensor_cores = decode_use_tensor_cores
+        self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
+        rows, toks = max_num_rows, max_num_tokens
+        # The prefill capacity plan (see graph_wrapper) puts all tokens of a shape in one row.
+        self.max_num_indices = max(rows * self.max_pages_per_row, -(-toks // ps))
+
+        sizes = {"qo_indptr": rows + 1, "kv_indptr": rows + 1, "last_page_len": rows, "slots": toks,
+                 "indices": self.max_num_indices}
+        self._offsets: dict[str, int] = {}
+        total = 0
+        for key, size in sizes.items():
+            self._offsets[key] = total
+            total += size
+        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(total, dtype=torch.int32, device=dev)
+        region = {k: (self._offsets[k], self._offsets[k] + n) for k, n in sizes.items()}
+        self.qo_indptr = self._dev[slice(*region["qo_indptr"])]
+        self.paged_kv_indptr = self._dev[slice(*region["kv_indptr"])]
+        self.paged_kv_last_page_len = self._dev[slice(*region["last_page_len"])]
+        self.slots = self._dev[slice(*region["slots"])]
+        self.paged_kv_indices = self._dev[slice(*region["indices"])]
+        self._host_views = {k: self._host[slice(*r)] for k, r in region.items()}
+
+        # append_paged_kv_cache addresses page indices[indptr[b] + pos // ps]: a single request
+        # owning every page in order turns a flat slot into (page, offset), i.e. a slot scatter.
+        self._append_pages = torch.arange(kv_cache.num_pages, dtype=torch.int32, device=dev)
+        self._append_indptr = torch.tensor([0, kv_cache.num_pages], dtype=torch.int32, device=dev)
+        self._append_last = torch.tensor([ps], dtype=torch.int32, device=dev)
+        self._append_batch = torch.zeros(toks, dtype=torch.int32, device=dev)
+
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
+        self._staged = torch.cuda.Event()
+        self._eager_prefill = self._new_wrapper(True, None)
+        self._eager_decode = self._new_wrapper(False, None)
+        self._graph_wrappers: dict[tuple[bool, int, int], Any] = {}
+        self._active: Any = None
+        self._num_q = 0
+        self._num_tokens = -1
+        warm = getattr(getattr(self._fi, "utils", None), "_get_cache_alibi_slopes_buf", None)
+        if warm is not None:  # run() fetches this cached tensor; create it outside any capture
+            warm(shape.num_q_heads, dev)
+
+    def _new_wrapper(self, is_prefill: bool, rows: int | None) -> Any:
+        fi, graph = self._fi, rows is not None
+        if is_prefill:
+            bufs = {} if not graph else dict(
+                qo_indptr_buf=self.qo_indptr[: rows + 1], paged_kv_indptr_buf=self.paged_kv_indptr[: rows + 1],
+                paged_kv_indices_buf=self.paged_kv_indices,
+                paged_kv_last_page_len_buf=self.paged_kv_last_page_len[:rows])
+            return fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, backend="fa2",
+                                                          **bufs)
+        bufs = {} if not graph else dict(
+            paged_kv_indptr_buffer=self.paged_kv_indptr[: rows + 1], paged_kv_indices_buffer=self.paged_kv_indices,
+            paged_kv_last_page_len_buffer=self.paged_kv_last_page_len[:rows])
+        return fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, backend="fa2",
+                                                     use_tensor_cores=self.decode_use_tensor_cores, **bufs)
+
+    @staticmethod
+    def _key(is_prefill: bool, num_rows: int, num_tokens: int) -> tuple[bool, int, int]:
+        return (is_prefill, num_rows, num_tokens if is_prefill else num_rows)
+
+    def graph_wrapper(self, is_prefill: bool, num_rows: int, num_tokens: int | None = None) -> Any:
+        """The fixed-shape (``use_cuda_graph=True``) wrapper for one captured shape, created once.
+
+        Decode shapes are keyed by ``num_rows`` (``num_tokens`` must equal it if given); prefill
+        shapes by ``(num_rows, num_tokens)``. From now on ``plan`` routes batches of exactly this
+        shape (padding included) to this wrapper, in eager steps too.
+
+        Call outside any capture. Creating a prefill wrapper plans it once with all
+        ``num_tokens`` in one row over the dummy page: flashinfer sizes a graph prefill plan
+        (query tiling, partial-output scratch) from the token count of the wrapper's *first*
+        plan and rejects later plans with more tokens. Either way the backend's current plan is
+        clobbered: call ``plan`` for the real batch afterwards.
+
+        What may happen where: ``plan`` (host scheduling, H2D copies) runs before capture and
+        before every replay, never during capture. ``run`` is captured once per shape; the
+        recorded kernels read the shared metadata buffers, this wrapper's int workspace and
+        the float workspace, all of which ``plan`` rewrites in place. A replay therefore
+        computes the batch of the latest ``plan``, which must have been of this shape.
+        """
+        num_tokens = num_rows if num_tokens is None else num_tokens
+        if not is_prefill and num_tokens != num_rows:
+            raise ValueError("a decode graph shape has one token per row")
+        if not 0 < num_rows <= self.max_num_rows or not 0 < num_tokens <= self.max_num_tokens:
+            raise ValueError(f"graph shape {num_rows} rows / {num_tokens} tokens exceeds the backend maximum")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("graph_wrapper() must be called before CUDA graph capture")
+        key = self._key(is_prefill, num_rows, num_tokens)
+        wrapper = self._graph_wrappers.get(key)
+        if wrapper is None:
+            wrapper = self._graph_wrappers[key] = self._new_wrapper(is_prefill, num_rows)
+            if is_prefill:
+                pages = [PagedKVCache.DUMMY_PAGE] * -(-num_tokens // self.page_size)
+                rest = num_rows - 1
+                self.plan(AttentionBatch(True, [num_tokens] + [0] * rest, [num_tokens] + [0] * rest,
+                                         [pages] + [[]] * rest, num_tokens))
+        return wrapper
+
+    def graph_safe(self, is_prefill: bool) -> bool:
+        """Both phases can be captured once :meth:`graph_wrapper` exists for the shape."""
+        return True
+
+    def plan(self, batch: AttentionBatch) -> None:
+        """Write ``batch``'s metadata and plan the wrapper for its shape (host side, outside capture).
+
+        Blocks only until the previous ``plan``'s H2D copies have been consumed (their pinned
+        sources are reused), which in a serving loop has normally long happened.
+        """
+        rows, toks = batch.num_rows, batch.num_tokens
+        if not 0 < rows <= self.max_num_rows or toks > self.max_num_tokens:
+            raise ValueError(f"batch of {rows} rows / {toks} tokens exceeds the planned maximum "
+                             f"{self.max_num_rows} / {self.max_num_tokens}")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("plan() cannot run during CUDA graph capture: plan before capture and before replay")
+        if not batch.is_prefill and (any(q != 1 for q in batch.query_lens) or min(batch.seq_lens) < 1):
+            raise ValueError("decode rows must have query_len=1 and seq_len>=1 (padding: dummy page, seq_len=1)")
+        qo, kv, last, indices, slots = build_metadata(batch, self.page_size)
+        if len(indices) > self.max_num_indices:
+            raise ValueError(f"batch uses {len(indices)} page-table entries; capacity is {self.max_num_indices} "
+                             f"(max_num_rows * max_pages_per_row)")
+        wrapper = self._graph_wrappers.get(self._key(batch.is_prefill, rows, toks))
+        if wrapper is None:
+            wrapper = self._eager_prefill if batch.is_prefill else self._eager_decode
+
+        self._staged.synchronize()
+        self._active = None  # a plan that fails half-way must not leave run() usable
+        off, h = self._offsets, self._host_np
+        for key, values in (("qo_indptr", qo), ("kv_indptr", kv), ("last_page_len", last), ("slots", slots),
+                            ("indices", indices)):
+            h[off[key]: off[key] + len(values)] = values
+        end = off["indices"] + len(indices)
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+
+        hv, s = self._host_views, self.shape
+        # indptr / last_page_len go in as pinned host tensors: flashinfer needs them on the host for
+        # its scheduler (a device tensor would force a D2H sync) and copies them to its own buffers.
+        # indices go in as our device view: a host tensor would make graph-mode plan copy it blocking.
+        common = dict(sm_scale=s.scale, q_data_type=self.q_dtype, kv_data_type=self.kv_cache.dtype,
+                      non_blocking=True)
+        if batch.is_prefill:
+            wrapper.plan(hv["qo_indptr"][: rows + 1], hv["kv_indptr"][: rows + 1],
+                         self.paged_kv_indices[: len(indices)], hv["last_page_len"][:rows],
+                         s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, causal=True, **common)
+            self._num_q = qo[-1]
+        else:
+            wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[: len(indices)], hv["last_page_len"][:rows],
+                         s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)
+            self._num_q = rows
+        self._staged.record()
+        self._active = wrapper
+        self._num_tokens = toks
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append ``k, v`` at the planned slots, then attend; returns ``(tokens, q_heads, head_dim)``.
+
+        Rows past the planned query tokens (tail padding) are left unspecified. Inside a capture
+        the planned wrapper must be a :meth:`graph_wrapper` one (eager wrappers reallocate their
+        metadata on every ``plan``, so a graph would keep reading freed memory).
+        """
+        tokens = q.shape[0]
+        if self._active is None or tokens != self._num_tokens:
+            raise RuntimeError(f"run() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
+        if not self._active.is_cuda_graph_enabled and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("capturing flashinfer attention for a shape without graph_wrapper(); "
+                               "create it and re-plan before capture")
+        cache = self.kv_cache.layer(layer)
+        self._fi.page.append_paged_kv_cache(
+            k.to(cache.dtype), v.to(cache.dtype), self._append_batch[:tokens], self.slots[:tokens], cache,
+            self._append_pages, self._append_indptr, self._append_last, "NHD")
+        out = torch.empty((tokens, self.shape.num_q_heads, self.shape.head_dim), dtype=q.dtype, device=q.device)
+        if self._num_q > 0:
+            self._active.run(q[: self._num_q], cache, out=out[: self._num_q])
+        elif torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the capture batch has no query tokens, so no attention kernel would be recorded")
+        return out

@@ -1,0 +1,1 @@
+"""Llama-family decoders built from HF checkpoints."""

@@ -1,0 +1,44 @@
+"""Build a :class:`LlamaForCausalLM` from a checkpoint directory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from worker.model.arch import ModelArch, load_arch
+from worker.model.llama import LlamaForCausalLM
+from worker.model.parallel import SINGLE, TensorParallel
+from worker.model.weights import SafetensorsCheckpoint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel = SINGLE, kernels=None,
+               max_positions: int | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
+    """Read ``config.json`` and this rank's weight shards; returns the model in eval mode."""
+    start = time.perf_counter()
+    arch = load_arch(model_dir)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    model = LlamaForCausalLM(arch, dtype, device, tp, kernels, max_positions)
+    model.load(ckpt)
+    unused = [n for n in ckpt.unused() if not n.endswith("rotary_emb.inv_freq")]
+    if tp.size == 1 and unused:
+        log.warning("%s: %d checkpoint tensors unused, e.g. %s", model_dir, len(unused), unused[:3])
+    ckpt.close()
+    model.eval()
+    log.info("loaded %s (%s, %.2fB params) as %s on %s in %.1fs", Path(model_dir).name, arch.architecture,
+             arch.num_parameters() / 1e9, str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return model, arch

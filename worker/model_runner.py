@@ -1,0 +1,67 @@
+"""Turns a scheduled batch into tensors, runs the model and samples: one step on one rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention.base import AttentionBackend, AttentionBatch
+from worker.model.llama import LlamaForCausalLM
+from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
+from worker.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    """Host-built inputs of one step (tokens laid out request after request)."""
+
+    input_ids: torch.Tensor  # (tokens,) int64 on device
+    positions: torch.Tensor  # (tokens,) int64 on device
+    attention: AttentionBatch
+    logits_rows: torch.Tensor  # (sampled rows,) int64 indices into the token dim
+
+
+class ModelRunner:
+    """Owns the model, its KV cache (through the attention backend) and sampling.
+
+    ``execute`` returns device tensors; reading them (``.tolist()``) is the caller's host sync.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = model.device
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for req, start, n, sample_row in zip(batch.requests, batch.start, batch.num_new, batch.sample):
+            ids.extend(req.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            if sample_row:
+                rows.append(len(ids) - 1)
+        packed = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        seq_lens = [s + n for s, n in zip(batch.start, batch.num_new)]
+        attn = AttentionBatch(batch.is_prefill, seq_lens, list(batch.num_new),
+                              [r.pages for r in batch.requests], len(ids))
+        return StepInputs(packed[0], packed[1], attn,
+                          torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states (tokens, hidden) for ``inputs``; writes the step's KV."""
+        self.attention.plan(inputs.attention)
+        return self.model(inputs.input_ids, inputs.positions, self.attention)
+
+    def execute(self, batch: ScheduledBatch, seeds: list[int]) -> SampleOutput | None:
+        """Run one step; sample a token for each row whose ``sample`` flag is set."""
+        inputs = self.prepare(batch)
+        hidden = self.forward(inputs)
+        sampled = [r for r, s in zip(batch.requests, batch.sample) if s]
+        if not sampled:
+            return None
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        sb = SamplingBatch.build([r.params for r in sampled], seeds,
+                                 [len(r.output_ids) for r in sampled], self.device)
+        return sample(logits, sb)

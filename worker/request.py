@@ -1,0 +1,60 @@
+"""A generation request's state as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from worker.sampling.params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request refused at admission; the message names the problem. Nothing else is affected."""
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. ``token_ids`` is prompt + output; ``num_computed`` tokens have KV in ``pages``.
+
+    A request is *prefilling* until ``num_computed == len(token_ids)`` has been reached once and a
+    token sampled; preemption frees its pages and sends it back to prefill over all its tokens.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefilling: bool = True
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def pages_needed(self, num_tokens: int, page_size: int) -> int:
+        """Extra pages this request needs to hold ``num_tokens`` tokens in total."""
+        return max(0, -(-num_tokens // page_size) - len(self.pages))

@@ -1,0 +1,151 @@
+"""Per-request sampling parameters (validated, immutable). Importing this module does not need torch."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+#: Temperatures below this are treated as greedy (as vLLM does), which also keeps ``logits / T`` finite.
+GREEDY_EPS = 1e-5
+
+_SEED_MIN = -(1 << 63)
+_SEED_END = 1 << 64
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters; the message names the field, the value and what is allowed."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(name: str, v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SamplingParamsError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise SamplingParamsError(f"{name} must be a finite number, got {v!r}")
+    return f
+
+
+def _integer(name: str, v: object) -> int:
+    if not _is_int(v):
+        raise SamplingParamsError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    return v  # type: ignore[return-value]
+
+
+def _boolean(name: str, v: object) -> None:
+    if not isinstance(v, bool):
+        raise SamplingParamsError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output tokens (semantics follow vLLM / SGLang).
+
+    Fields:
+        max_tokens: maximum number of output tokens, >= 1.
+        temperature: logits are divided by it, >= 0; below ``GREEDY_EPS`` (e.g. 0) means greedy
+            (argmax of the raw logits; top_k / top_p / min_p / seed are then irrelevant).
+        top_p: nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose
+            cumulative probability is >= top_p (always at least the top token); 1 disables it.
+        top_k: keep the k most likely tokens; -1 or 0 disables it.
+        min_p: drop tokens whose probability is < min_p * (probability of the top token), in [0, 1].
+        seed: per-request seed in [-2**63, 2**64) (seeds equal modulo 2**64 are the same stream);
+            None lets the engine draw one on the host (see :meth:`effective_seed`).
+        stop: strings that end generation (a single string is accepted); each non-empty.
+        stop_token_ids: token ids (>= 0) that end generation.
+        ignore_eos: keep generating past the EOS token.
+        logprobs: report the log-probability of each sampled token.
+        n: number of output sequences for the prompt, >= 1.
+
+    Invalid values raise :class:`SamplingParamsError`. ``stop`` / ``stop_token_ids`` given as lists
+    are normalised to tuples and ints given for float fields to floats, so instances are hashable.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if _integer("max_tokens", self.max_tokens) < 1:
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+
+        t = _number("temperature", self.temperature)
+        if t < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature!r}")
+        put("temperature", t)
+
+        p = _number("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        put("top_p", p)
+
+        if _integer("top_k", self.top_k) < -1:
+            raise SamplingParamsError(f"top_k must be >= -1 (-1 or 0 disables top-k), got {self.top_k!r}")
+
+        m = _number("min_p", self.min_p)
+        if not 0 <= m <= 1:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        put("min_p", m)
+
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise SamplingParamsError(
+                    f"seed must be None or an int, got {type(self.seed).__name__} {self.seed!r}")
+            if not _SEED_MIN <= self.seed < _SEED_END:
+                raise SamplingParamsError(f"seed must be in [-2**63, 2**64), got {self.seed!r}")
+
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise SamplingParamsError(
+                f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError(f"stop[{i}] must be a non-empty string, got {s!r}")
+        put("stop", tuple(stop))
+
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise SamplingParamsError(
+                f"stop_token_ids must be a list of ints, got {type(ids).__name__} {ids!r}")
+        for i, tok in enumerate(ids):
+            if not _is_int(tok) or tok < 0:
+                raise SamplingParamsError(f"stop_token_ids[{i}] must be an int >= 0, got {tok!r}")
+        put("stop_token_ids", tuple(ids))
+
+        _boolean("ignore_eos", self.ignore_eos)
+        _boolean("logprobs", self.logprobs)
+
+        if _integer("n", self.n) < 1:
+            raise SamplingParamsError(f"n must be >= 1, got {self.n!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax (temperature < ``GREEDY_EPS``)."""
+        return self.temperature < GREEDY_EPS
+
+    def effective_seed(self, rng: random.Random | None = None) -> int:
+        """``seed`` if set, else a fresh 62-bit seed from ``rng`` (default: the ``random`` module).
+
+        Call once per request on the host and keep the result: the sampler's draws depend only on
+        (seed, step, token id), so reusing it is what makes a request reproducible.
+        """
+        if self.seed is not None:
+            return self.seed
+        return (rng or random).getrandbits(62)

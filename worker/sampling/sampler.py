@@ -1,0 +1,258 @@
+"""Batched token sampler that never synchronises with the host.
+
+``sample(logits, batch)`` only enqueues device work: no ``.item()`` / ``.tolist()`` / ``.cpu()``, no
+data-dependent shapes (boolean-mask indexing, ``nonzero``), no ``torch.multinomial``. Every branch
+is decided by host-side flags computed in :meth:`SamplingBatch.build`, so the engine can call it right
+after the forward pass and read the tokens later (reading them is the caller's one sync).
+
+Semantics (vLLM / SGLang): scale by temperature, then top-k, then top-p over the renormalised
+top-k set (keep the smallest prefix of the sorted tokens whose cumulative probability is >= top_p,
+always at least the top token), then min-p (drop tokens with prob < min_p * max_prob), then draw.
+Greedy rows (temperature < ``GREEDY_EPS``) take the argmax of the raw logits, first index on ties.
+top-k and top-p keep a prefix of the descending sort, so ties exactly at the cut are broken by sort
+order (lower token id first for the full stable sort; whatever ``torch.topk`` returns otherwise).
+
+Randomness: the draw is the Gumbel-max trick, ``argmax(logits / T - log(E))`` with ``E ~ Exp(1)``
+per (row, token), i.e. an exponential race; it samples from the filtered ``softmax(logits / T)``
+(up to the 32-bit resolution of the noise). ``E`` comes from a counter-based hash of
+(seed, step, token id) computed with int64 torch ops on the device, so a request's draw never
+depends on the batch it is in, its row, the vocabulary padding or the device RNG state. ``step`` is
+the index of the output token being generated (0 for the first). Requests without a seed must get
+one drawn on the host by the caller (:meth:`SamplingParams.effective_seed`) and keep it for their
+whole life. Caveat: top-p uses float softmax/cumsum whose rounding may depend on the sort width or
+GPU kernel chosen for the batch, so a token whose cumulative probability is within float32 rounding
+of top_p could in principle flip.
+
+Logprobs are "raw" logprobs, as vLLM reports by default: ``log_softmax`` of the unscaled,
+unfiltered logits at the chosen token (not of the distribution actually sampled from).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from worker.sampling.params import SamplingParams
+
+__all__ = ["SampleOutput", "SamplingBatch", "sample"]
+
+_M32 = 0xFFFFFFFF
+_TOP_K_OFF = 1 << 62  # "disabled" when the vocabulary size is not known at build time
+# Above this largest top_k, a full sort is used instead of torch.topk.
+_PARTIAL_SORT_MAX_K = 2048
+_SEED_SALT = 0x5EED5A17
+_TOKEN_SALT = 0x70C3A11D
+
+
+class SampleOutput(NamedTuple):
+    """Device tensors: ``token_ids`` (B,) int64; ``logprobs`` (B,) float32, None unless requested."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors (row i = i-th request) plus host-side flags.
+
+    Tensors (all shape (B,), on the sampling device):
+        temperature: float32; greedy rows hold 1.0 (their result is the raw argmax anyway).
+        top_k: int64; disabled is the vocabulary size (or 2**62 if it was not given to ``build``).
+        top_p: float32; disabled (1.0) is encoded as +inf so rounding can never drop a token.
+        min_p: float32; 0 means disabled.
+        seeds: int64, the effective seed wrapped to two's complement (seeds equal mod 2**64 agree).
+        steps: int64, index of the output token being generated (0 for the first).
+        greedy_mask: bool.
+    Host flags (decide which kernels run; never read from device data):
+        all_greedy / any_greedy, needs_sort (some non-greedy row uses top-k or top-p),
+        needs_top_p, needs_min_p, topk_width (if not None, every non-greedy row has
+        top_k <= topk_width and a partial ``torch.topk`` replaces the full sort), want_logprobs.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    steps: torch.Tensor
+    greedy_mask: torch.Tensor
+    all_greedy: bool
+    any_greedy: bool
+    needs_sort: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    topk_width: int | None
+    want_logprobs: bool
+
+    @property
+    def size(self) -> int:
+        """Number of rows B."""
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
+              device: torch.device | str, *, vocab_size: int | None = None) -> SamplingBatch:
+        """Pack one row per request and copy it to ``device`` in a single (pinned, async) H2D copy.
+
+        ``seeds[i]`` is request i's effective seed (its ``params.seed`` if set, otherwise one the
+        caller drew once on the host); ``steps[i]`` is the number of output tokens it already has.
+        ``vocab_size``, if given, lets top_k >= vocab_size count as disabled (skipping the sort).
+        """
+        n = len(params)
+        if len(seeds) != n or len(steps) != n:
+            raise ValueError(f"need one seed and one step per request: got {n} params, "
+                             f"{len(seeds)} seeds, {len(steps)} steps")
+        k_off = _TOP_K_OFF if vocab_size is None else int(vocab_size)
+        temps: list[float] = []
+        top_ks: list[int] = []
+        top_ps: list[float] = []
+        min_ps: list[float] = []
+        greedy: list[int] = []
+        wrapped: list[int] = []
+        enabled_k: list[int] = []
+        all_rows_have_k = True
+        want_logprobs = False
+        for p, seed, step in zip(params, seeds, steps, strict=True):
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63:
+                raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise ValueError(f"seed must be an int, got {seed!r}")
+            wrapped.append((seed + (1 << 63)) % (1 << 64) - (1 << 63))
+            want_logprobs |= p.logprobs
+            if p.greedy:
+                greedy.append(1)
+                temps.append(1.0)
+                top_ks.append(k_off)
+                top_ps.append(math.inf)
+                min_ps.append(0.0)
+                continue
+            greedy.append(0)
+            temps.append(p.temperature)
+            if p.top_k > 0 and p.top_k < k_off:
+                top_ks.append(p.top_k)
+                enabled_k.append(p.top_k)
+            else:
+                top_ks.append(k_off)
+                all_rows_have_k = False
+            top_ps.append(p.top_p if p.top_p < 1.0 else math.inf)
+            min_ps.append(p.min_p)
+
+        needs_top_p = any(p < 1.0 for p in top_ps)
+        needs_sort = bool(enabled_k) or needs_top_p
+        topk_width = None
+        if needs_sort and all_rows_have_k and max(enabled_k) <= _PARTIAL_SORT_MAX_K:
+            topk_width = max(enabled_k)
+
+        ints = torch.tensor([top_ks, wrapped, list(steps), greedy], dtype=torch.int64).reshape(4, n)
+        floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32).reshape(3, n)
+        # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
+        host = torch.cat([ints, floats.view(torch.int32).to(torch.int64)])
+        device = torch.device(device)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        f = dev[4:].to(torch.int32).view(torch.float32)
+        return cls(temperature=f[0], top_k=dev[0], top_p=f[1], min_p=f[2], seeds=dev[1], steps=dev[2],
+                   greedy_mask=dev[3].bool(), all_greedy=all(greedy), any_greedy=any(greedy),
+                   needs_sort=needs_sort, needs_top_p=needs_top_p, needs_min_p=any(m > 0 for m in min_ps),
+                   topk_width=topk_width, want_logprobs=want_logprobs)
+
+
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
+    # x in [0, 2**32): using c - 2**32 for c >= 2**31 keeps |x * c| < 2**63 (no int64 overflow)
+    # and is congruent mod 2**32; & with the mask takes the low 32 bits of the two's complement.
+    return x.mul_(c - (1 << 32) if c >= 1 << 31 else c).bitwise_and_(_M32)
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """In place: a bijective 32-bit integer finaliser (Wellons' lowbias32) on int64 holding [0, 2**32)."""
+    # Values stay non-negative, so >> (arithmetic in torch) acts as a logical shift.
+    x.bitwise_xor_(x >> 16)
+    _mul32_(x, 0x7FEB352D)
+    x.bitwise_xor_(x >> 15)
+    _mul32_(x, 0x846CA68B)
+    x.bitwise_xor_(x >> 16)
+    return x
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """(B,) 32-bit keys mixing all 64 bits of seed and of step."""
+    k = _mix32_((seeds & _M32) ^ _SEED_SALT)
+    k = _mix32_(k.bitwise_xor_((seeds >> 32) & _M32))
+    k = _mix32_(k.bitwise_xor_(steps & _M32))
+    return _mix32_(k.bitwise_xor_((steps >> 32) & _M32))
+
+
+def _log_exponential(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """float32 ``log(E)``, ``E ~ Exp(1)``, a pure function of (key of the row, token id).
+
+    ``token_ids`` is (1, V) or (B, W) int64; the result broadcasts to (B, V) or (B, W).
+    """
+    t = _mix32_((token_ids + _TOKEN_SALT) & _M32)
+    x = _mix32_(t ^ keys[:, None])
+    # u in (0, 1): exact near 0 (the small-E tail that lets unlikely tokens win), clamped below 1.
+    u = x.to(torch.float32).add_(0.5).mul_(2.0 ** -32).clamp_(max=1.0 - 2.0 ** -24)
+    return u.neg_().log1p_().neg_().log_()
+
+
+def _min_p_(x: torch.Tensor, x_max: torch.Tensor, min_p: torch.Tensor) -> None:
+    # p_i / p_max == exp(x_i - x_max) for any renormalisation that keeps the top token.
+    x.masked_fill_((x - x_max).exp_() < min_p[:, None], -math.inf)
+
+
+def _filtered_sorted(s: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits sorted descending (full sort or top-``topk_width``) with filtered entries at -inf."""
+    if b.topk_width is not None and b.topk_width < s.shape[-1]:
+        vals, idx = s.topk(b.topk_width, dim=-1, sorted=True)
+    else:
+        vals, idx = s.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vals.shape[-1], device=s.device)
+    vals.masked_fill_(ranks >= b.top_k[:, None], -math.inf)
+    if b.needs_top_p:
+        probs = vals.softmax(dim=-1)
+        before = probs.cumsum(dim=-1).sub_(probs)
+        drop = before >= b.top_p[:, None]
+        drop[:, 0] = False  # the top token survives even a top_p that rounds to 0 in float32
+        vals.masked_fill_(drop, -math.inf)
+    if b.needs_min_p:
+        _min_p_(vals, vals[:, :1], b.min_p)
+    return vals, idx
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Sample one token per row of ``logits`` (B, V), any float dtype (computed in float32).
+
+    Enqueues device work only (no host sync). Row i's token depends only on ``logits[i]`` and
+    row i's parameters, seed and step. ``logits`` is not modified.
+    """
+    if logits.dim() != 2 or logits.shape[0] != batch.size:
+        raise ValueError(f"logits must be (B={batch.size}, V), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating tensor, got {logits.dtype}")
+    # ``raw`` may alias ``logits`` (float32 input): never modify it in place.
+    raw = logits if batch.all_greedy and not batch.want_logprobs else logits.to(torch.float32)
+    if batch.all_greedy:
+        tokens = raw.argmax(dim=-1)  # upcasting is exact, so any float dtype gives the same argmax
+    else:
+        keys = _row_keys(batch.seeds, batch.steps)
+        s = raw / batch.temperature[:, None]
+        if batch.needs_sort:
+            vals, idx = _filtered_sorted(s, batch)
+            vals.sub_(_log_exponential(keys, idx))
+            tokens = idx.gather(1, vals.argmax(dim=-1, keepdim=True)).squeeze(1)
+        else:
+            if batch.needs_min_p:
+                _min_p_(s, s.amax(dim=-1, keepdim=True), batch.min_p)
+            token_ids = torch.arange(s.shape[-1], device=s.device)[None, :]
+            s.sub_(_log_exponential(keys, token_ids))
+            tokens = s.argmax(dim=-1)
+        if batch.any_greedy:
+            tokens = torch.where(batch.greedy_mask, raw.argmax(dim=-1), tokens)
+    logprobs = None
+    if batch.want_logprobs:
+        logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
+    return SampleOutput(tokens, logprobs)

@@ -1,0 +1,154 @@
+"""Continuous batching with chunked prefill over a paged KV cache.
+
+Every step is either a prefill batch or a decode batch, never mixed: prefill work (new requests,
+the next chunk of a long prompt, recomputation after preemption) goes first, as in SGLang's
+default policy, because it admits requests and bounds time to first token; a decode step then
+advances every running request by one token. Keeping the phases apart means each step has one
+shape family (token buckets or batch-size buckets), which is what the graph runners capture.
+
+Page accounting invariants: a page belongs to at most one request; pages are returned on
+finish, abort and preemption; a waiting request is admitted only when its chunk's pages are
+free; a running request that cannot grow preempts the youngest running request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from worker.kv_cache import PageAllocator
+from worker.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running_requests: int
+    max_num_batched_tokens: int
+    chunked_prefill_size: int
+    page_size: int
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: per request, ``num_new[i]`` tokens starting at ``start[i]``."""
+
+    is_prefill: bool
+    requests: list[Request]
+    start: list[int]
+    num_new: list[int]
+    sample: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    @property
+    def size(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the page allocator's bookings."""
+
+    def __init__(self, limits: SchedulerLimits, allocator: PageAllocator) -> None:
+        self.limits = limits
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _book(self, request: Request, total_tokens: int) -> bool:
+        need = request.pages_needed(total_tokens, self.limits.page_size)
+        if not self.allocator.can_allocate(need):
+            return False
+        request.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = min(self.limits.max_num_batched_tokens, self.limits.chunked_prefill_size)
+        batch = ScheduledBatch(True, [], [], [], [])
+
+        def take(req: Request) -> bool:
+            nonlocal budget
+            remaining = req.num_tokens - req.num_computed
+            n = min(remaining, budget)
+            if n <= 0 or not self._book(req, req.num_computed + n):
+                return False
+            batch.requests.append(req)
+            batch.start.append(req.num_computed)
+            batch.num_new.append(n)
+            batch.sample.append(n == remaining)
+            budget -= n
+            return True
+
+        for req in self.running:
+            if req.prefilling and budget > 0:
+                take(req)
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running_requests:
+            req = self.waiting[0]
+            # Headroom: leave one free page per running request so admission does not
+            # immediately force the next decode step to preempt.
+            headroom = len(self.running)
+            need = req.pages_needed(req.num_computed + min(budget, req.num_tokens - req.num_computed),
+                                    self.limits.page_size)
+            if self.allocator.num_free - need < headroom or not take(req):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+        return batch if batch.requests else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        decoding = [r for r in self.running if not r.prefilling]
+        if not decoding:
+            return None
+        scheduled: list[Request] = []
+        for req in sorted(decoding, key=lambda r: r.arrival):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self._book(req, req.num_tokens):
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                scheduled.append(req)
+        scheduled = [r for r in scheduled if r.status is Status.RUNNING]
+        if not scheduled:
+            return None
+        return ScheduledBatch(False, scheduled, [r.num_tokens - 1 for r in scheduled],
+                              [1] * len(scheduled), [True] * len(scheduled))
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s pages and send it back to the front of the waiting queue."""
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed = 0
+        req.prefilling = True
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished with ``reason`` and return its pages (idempotent)."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
