@@ -52,8 +52,10 @@ def test_preset_table():
     assert set(TINY + REAL) <= set(PRESETS)
     for name in TINY:
         p = PRESETS[name]
-        assert p.vocab_size == 1024 and p.hidden_size == 128
-    assert PRESETS["tiny-qwen3"].head_dim * PRESETS["tiny-qwen3"].num_attention_heads != 128
+        # head_dim 64 everywhere: a size flashinfer's kernels support, so GPU tests run both backends.
+        assert p.vocab_size == 1024 and p.head_dim == 64
+    q3 = PRESETS["tiny-qwen3"]
+    assert q3.head_dim * q3.num_attention_heads != q3.hidden_size
     assert PRESETS["tiny-qwen2"].attention_qkv_bias and PRESETS["tiny-qwen3"].qk_norm
     assert PRESETS["tiny-llama"].config_dict()["rope_scaling"]["rope_type"] == "llama3"
     assert PRESETS["tiny-llama2"].config_dict()["rope_scaling"] is None
@@ -120,8 +122,8 @@ def test_llama3_rope_scaling_changes_frequencies(written):
 
 def test_qwen3_qk_norm_and_qwen2_bias_weights(written):
     q3 = load_file(written("tiny-qwen3") / "model.safetensors")
-    assert q3["model.layers.0.self_attn.q_norm.weight"].shape == (32,)
-    assert q3["model.layers.0.self_attn.q_proj.weight"].shape == (8 * 32, 128)
+    assert q3["model.layers.0.self_attn.q_norm.weight"].shape == (64,)
+    assert q3["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 64, 128)
     assert "model.layers.0.self_attn.q_proj.bias" not in q3
     q2 = load_file(written("tiny-qwen2") / "model.safetensors")
     for proj in "qkv":

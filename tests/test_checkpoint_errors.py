@@ -44,11 +44,11 @@ def test_missing_tensor_named(checkpoint_dir, tmp_path):
 
 def test_wrong_shape_named_with_expected(checkpoint_dir, tmp_path):
     path = _copy(checkpoint_dir("tiny-llama"), tmp_path / "ckpt")
-    _edit_tensors(path, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 128)))
+    _edit_tensors(path, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 256)))
     with pytest.raises(CheckpointError) as err:
         load_model(path, torch.float32, torch.device("cpu"))
     msg = str(err.value)
-    assert "model.layers.1.self_attn.k_proj.weight" in msg and "[32, 128]" in msg and "expected [64, 128]" in msg
+    assert "model.layers.1.self_attn.k_proj.weight" in msg and "[32, 256]" in msg and "expected [128, 256]" in msg
 
 
 @pytest.mark.parametrize("field,value,pattern", [

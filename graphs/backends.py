@@ -1,0 +1,203 @@
+"""Graph backends: how one shape of a forward is captured and replayed.
+
+A backend captures a zero-argument callable ``fn`` that reads the runner's static inputs and
+writes its static outputs. It owns nothing else: shapes, buffers and padding belong to the
+runner. Every CUDA backend captures on the process capture stream into the process pool
+(:mod:`graphs.process`).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError
+from graphs.process import capture_stream, graph_pool
+
+
+@dataclass
+class CapturedShape:
+    """One captured shape: resident bytes are the pool growth measured around its capture."""
+
+    key: Hashable
+    backend: str
+    seconds: float
+    resident_bytes: int
+    num_segments: int = 1
+    num_breaks: int = 0
+    hits: int = 0
+    artifact: object = field(default=None, repr=False)
+
+
+def _offending_call(exc: BaseException) -> str:
+    """The innermost frame outside torch of ``exc``'s traceback, as ``file:line in fn: code``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return "unknown call"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+
+
+class GraphBackend(ABC):
+    """Capture one shape of ``fn``; replay it; release everything."""
+
+    name: str = "abstract"
+    is_graph: bool = True  # whether a replay counts as a CUDA-graph pass
+
+    def __init__(self, device: torch.device, warmup: int = 2,
+                 barrier: Callable[[], None] | None = None) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.barrier = barrier
+        self.shapes: dict[Hashable, CapturedShape] = {}
+
+    def has(self, key: Hashable) -> bool:
+        return key in self.shapes
+
+    def capture(self, key: Hashable, fn: Callable[[], None], phase: str = "") -> CapturedShape:
+        """Warm up ``fn`` on the capture stream, then capture it for ``key``.
+
+        Raises :class:`CaptureError` naming the shape and the offending call on failure; nothing
+        is recorded for ``key`` then.
+        """
+        start = time.perf_counter()
+        before = self._reserved()
+        try:
+            self._warm_up(fn)
+            artifact, segments, breaks = self._capture(fn)
+        except CaptureError as e:
+            raise CaptureError(f"{phase} shape {key}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - any failure inside capture is reported with its call
+            raise CaptureError(f"capturing {phase} shape {key} with the {self.name} backend failed at "
+                               f"{_offending_call(e)}: {type(e).__name__}: {e}") from e
+        shape = CapturedShape(key, self.name, time.perf_counter() - start, self._reserved() - before,
+                              segments, breaks, artifact=artifact)
+        self.shapes[key] = shape
+        return shape
+
+    def replay(self, key: Hashable) -> None:
+        shape = self.shapes[key]
+        shape.hits += 1
+        self._replay(shape.artifact)
+
+    def release(self) -> None:
+        """Drop every captured shape (graphs before the pool: see graphs/DESIGN.md)."""
+        for shape in self.shapes.values():
+            self._release(shape.artifact)
+        self.shapes.clear()
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(s.resident_bytes for s in self.shapes.values())
+
+    def _reserved(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device)
+
+    def _warm_up(self, fn: Callable[[], None]) -> None:
+        if self.device.type != "cuda":
+            return
+        stream = capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                if self.barrier is not None:
+                    self.barrier()
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    @abstractmethod
+    def _capture(self, fn: Callable[[], None]) -> tuple[object, int, int]:
+        """Return (artifact, number of segments, number of breaks)."""
+
+    @abstractmethod
+    def _replay(self, artifact: object) -> None: ...
+
+    def _release(self, artifact: object) -> None:
+        pass
+
+
+class FullGraphBackend(GraphBackend):
+    """One ``torch.cuda.CUDAGraph`` per shape; everything in ``fn`` must be graph-safe."""
+
+    name = "full"
+
+    def _capture(self, fn):
+        if self.barrier is not None:
+            self.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool(self.device), stream=capture_stream(self.device)):
+            fn()
+        torch.cuda.synchronize(self.device)
+        return graph, 1, 0
+
+    def _replay(self, artifact):
+        artifact.replay()
+
+    def _release(self, artifact):
+        artifact.reset()
+
+
+class BreakableGraphBackend(GraphBackend):
+    """Graph segments around the ``@eager_break`` calls that ``fn`` makes."""
+
+    name = "breakable"
+
+    def _capture(self, fn):
+        if self.barrier is not None:
+            self.barrier()
+        graph = BreakableGraph()
+        with BreakableCapture(graph, graph_pool(self.device), capture_stream(self.device), self.barrier):
+            fn()
+        torch.cuda.synchronize(self.device)
+        return graph, len(graph.segments), len(graph.breaks)
+
+    def _replay(self, artifact):
+        artifact.replay()
+
+    def _release(self, artifact):
+        artifact.reset()
+
+
+class DebugBackend(GraphBackend):
+    """The whole forward as one eager break: no graph, but the runner's full replay path.
+
+    Runs on any device, so CPU tests exercise static buffers, padding and metadata planning.
+    """
+
+    name = "debug"
+    is_graph = False
+
+    def _warm_up(self, fn):
+        pass
+
+    def _capture(self, fn):
+        return fn, 0, 1
+
+    def _replay(self, artifact):
+        artifact()
+
+
+BACKENDS: dict[str, type[GraphBackend]] = {
+    "full": FullGraphBackend,
+    "breakable": BreakableGraphBackend,
+    "debug": DebugBackend,
+}
+
+
+def create_backend(name: str, device: torch.device, warmup: int = 2,
+                   barrier: Callable[[], None] | None = None) -> GraphBackend:
+    """``full``, ``breakable`` or ``debug`` (``eager`` means no runner at all)."""
+    if name not in BACKENDS:
+        raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
+    if name != "debug" and device.type != "cuda":
+        raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug' or 'eager'")
+    return BACKENDS[name](device, warmup, barrier)

@@ -1,0 +1,57 @@
+"""The only process-wide singletons of graphfleet: one graph memory pool and one capture stream.
+
+Every runner and backend of the process (decode and prefill, every shape) captures on the same
+stream into the same pool. Sharing the pool lets graphs that never replay concurrently reuse
+each other's scratch memory; sharing the stream matters because the caching allocator reuses a
+freed block only on the stream it was allocated on, so per-capture streams would fragment the
+shared pool.
+
+Both are created lazily on first use, per device, and dropped by :func:`release_process_graphs`
+once every graph captured into them has been released (teardown order: graphs first).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_pools: dict[int, tuple] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _index(device: torch.device | int | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def graph_pool(device: torch.device | int | None = None) -> tuple:
+    """The process's graph memory pool handle for ``device`` (created on first call)."""
+    idx = _index(device)
+    with _lock:
+        if idx not in _pools:
+            with torch.cuda.device(idx):
+                _pools[idx] = torch.cuda.graph_pool_handle()
+        return _pools[idx]
+
+
+def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """The process's single capture stream for ``device`` (created on first call)."""
+    idx = _index(device)
+    with _lock:
+        if idx not in _streams:
+            _streams[idx] = torch.cuda.Stream(device=idx)
+        return _streams[idx]
+
+
+def release_process_graphs() -> None:
+    """Forget the pool handles and streams; call only after every graph has been released."""
+    with _lock:
+        _pools.clear()
+        _streams.clear()
