@@ -50,11 +50,17 @@ class GraphBackend(ABC):
     is_graph: bool = True  # whether a replay counts as a CUDA-graph pass
 
     def __init__(self, device: torch.device, warmup: int = 2,
-                 barrier: Callable[[], None] | None = None) -> None:
+                 barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
+        self._pool = pool
         self.shapes: dict[Hashable, CapturedShape] = {}
+
+    @property
+    def pool(self) -> tuple:
+        """The memory pool graphs are captured into: the process pool unless one was given."""
+        return self._pool if self._pool is not None else graph_pool(self.device)
 
     def has(self, key: Hashable) -> bool:
         return key in self.shapes
@@ -66,9 +72,9 @@ class GraphBackend(ABC):
         is recorded for ``key`` then.
         """
         start = time.perf_counter()
-        before = self._reserved()
         try:
             self._warm_up(fn)
+            before = self._reserved()  # after warm-up: its allocations are not graph memory
             artifact, segments, breaks = self._capture(fn)
         except CaptureError as e:
             raise CaptureError(f"{phase} shape {key}: {e}") from e
@@ -121,8 +127,8 @@ class GraphBackend(ABC):
     @abstractmethod
     def _replay(self, artifact: object) -> None: ...
 
-    def _release(self, artifact: object) -> None:
-        pass
+    def _release(self, artifact: object) -> None:  # noqa: B027 - only graph backends free anything
+        return None
 
 
 class FullGraphBackend(GraphBackend):
@@ -134,7 +140,7 @@ class FullGraphBackend(GraphBackend):
         if self.barrier is not None:
             self.barrier()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool(self.device), stream=capture_stream(self.device)):
+        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
             fn()
         torch.cuda.synchronize(self.device)
         return graph, 1, 0
@@ -155,7 +161,7 @@ class BreakableGraphBackend(GraphBackend):
         if self.barrier is not None:
             self.barrier()
         graph = BreakableGraph()
-        with BreakableCapture(graph, graph_pool(self.device), capture_stream(self.device), self.barrier):
+        with BreakableCapture(graph, self.pool, capture_stream(self.device), self.barrier):
             fn()
         torch.cuda.synchronize(self.device)
         return graph, len(graph.segments), len(graph.breaks)
@@ -194,10 +200,10 @@ BACKENDS: dict[str, type[GraphBackend]] = {
 
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
-                   barrier: Callable[[], None] | None = None) -> GraphBackend:
+                   barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> GraphBackend:
     """``full``, ``breakable`` or ``debug`` (``eager`` means no runner at all)."""
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if name != "debug" and device.type != "cuda":
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug' or 'eager'")
-    return BACKENDS[name](device, warmup, barrier)
+    return BACKENDS[name](device, warmup, barrier, pool)

@@ -18,10 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from deploy.config import Config
+from graphs.backends import create_backend
+from graphs.buckets import default_decode_ladder
+from graphs.decode import DecodeGraphRunner
+from graphs.metrics import GraphMetrics
 from worker.attention.factory import create_attention_backend
 from worker.detokenizer import OutputText
+from worker.graph_steps import ModelDecodeStep
 from worker.kv_cache import KVCacheShape, PageAllocator, PagedKVCache
 from worker.model.kernels import select_kernels
 from worker.model.loader import load_model, resolve_dtype
@@ -78,7 +84,7 @@ def resolve_device(name: str) -> torch.device:
 class Engine:
     """Continuous-batching inference over one model on one device."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
         self.config = config
@@ -114,7 +120,10 @@ class Engine:
         self.attention = create_attention_backend(
             config.attention.backend, self.model.attention_shape, self.kv_cache, max_rows, max_tokens,
             -(-max_len // page_size))
-        self.runner = ModelRunner(self.model, self.attention)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.graph_metrics = GraphMetrics(self.registry)
+        decode_graphs, eager_reason = self._build_decode_graphs()
+        self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, eager_reason)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
@@ -127,6 +136,29 @@ class Engine:
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         log.info("engine ready: %s attention, %d KV pages of %d tokens, max_model_len %d",
                  self.attention.name, num_pages, page_size, max_len)
+
+    def _build_decode_graphs(self) -> tuple[DecodeGraphRunner | None, str]:
+        """The decode graph runner the config asks for, captured now; or None and why not."""
+        g = self.config.graphs
+        name = "debug" if g.debug else g.decode.backend
+        if not g.enabled or g.capture in ("none", "prefill"):
+            log.info("decode CUDA graphs off by config (graphs.enabled=%s, graphs.capture=%s)", g.enabled, g.capture)
+            return None, "disabled"
+        if name == "eager":
+            log.info("decode runs eagerly (graphs.decode.backend=eager)")
+            return None, "disabled"
+        if self.device.type != "cuda" and name != "debug":
+            log.info("no CUDA device: CUDA graphs are off and decode runs eagerly on %s "
+                     "(graphs.decode.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
+                     self.device, name)
+            return None, "no_cuda"
+        max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
+        ladder = list(g.decode.batch_sizes) if g.decode.batch_sizes else default_decode_ladder(max_bs)
+        step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
+        runner = DecodeGraphRunner(step, create_backend(name, self.device), ladder, g.decode.padding,
+                                   self.graph_metrics)
+        runner.capture_all(timeout_s=g.capture_timeout_s)
+        return runner, "disabled"
 
     def _num_pages(self, dtype: torch.dtype) -> int:
         cache = self.config.cache

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
+from graphs.metrics import GraphMetrics
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
@@ -25,13 +27,20 @@ class StepInputs:
 class ModelRunner:
     """Owns the model, its KV cache (through the attention backend) and sampling.
 
+    Decode steps go through the decode graph runner when there is one and its predicate says
+    replay; every other step runs eagerly, and the pass is counted with its reason.
     ``execute`` returns device tensors; reading them (``.tolist()``) is the caller's host sync.
     """
 
-    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend) -> None:
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend,
+                 decode_graphs: DecodeGraphRunner | None = None, metrics: GraphMetrics | None = None,
+                 decode_eager_reason: str = "disabled") -> None:
         self.model = model
         self.attention = attention
         self.device = model.device
+        self.decode_graphs = decode_graphs
+        self.metrics = metrics
+        self.decode_eager_reason = decode_eager_reason
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids: list[int] = []
@@ -54,14 +63,34 @@ class ModelRunner:
         self.attention.plan(inputs.attention)
         return self.model(inputs.input_ids, inputs.positions, self.attention)
 
+    def decode_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits (rows, vocab) of a decode step: graph replay when possible, else eager.
+
+        A replayed result is a view of the runner's static output: consume it before the next step.
+        """
+        if self.decode_graphs is not None:
+            live = LiveDecodeBatch(inputs.input_ids, inputs.positions, inputs.attention)
+            choice = self.decode_graphs.decide(live)
+            if choice.replays:
+                return self.decode_graphs.execute(live, choice)
+            self.decode_graphs.record_eager(choice.reason)
+        elif self.metrics is not None:
+            self.metrics.record_pass("decode", None, self.decode_eager_reason)
+        return self.model.compute_logits(self.forward(inputs))
+
     def execute(self, batch: ScheduledBatch, seeds: list[int]) -> SampleOutput | None:
         """Run one step; sample a token for each row whose ``sample`` flag is set."""
         inputs = self.prepare(batch)
-        hidden = self.forward(inputs)
         sampled = [r for r, s in zip(batch.requests, batch.sample) if s]
-        if not sampled:
-            return None
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        if not batch.is_prefill:
+            logits = self.decode_logits(inputs)
+        else:
+            if self.metrics is not None:
+                self.metrics.record_pass("prefill", None, "disabled")
+            hidden = self.forward(inputs)
+            if not sampled:
+                return None
+            logits = self.model.compute_logits(hidden[inputs.logits_rows])
         sb = SamplingBatch.build([r.params for r in sampled], seeds,
                                  [len(r.output_ids) for r in sampled], self.device)
         return sample(logits, sb)

@@ -252,7 +252,8 @@ class GraphsConfig(Section):
     def __post_init__(self) -> None:
         budget = self.memory_budget
         if isinstance(budget, float):
-            _check(0 < budget <= 1, "memory_budget", f"a float is a fraction of free memory and must be in (0, 1], got {budget!r}")
+            _check(0 < budget <= 1, "memory_budget",
+                   f"a float is a fraction of free memory and must be in (0, 1], got {budget!r}")
         elif isinstance(budget, (int, str)):
             try:
                 nbytes = parse_bytes(budget)

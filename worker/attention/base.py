@@ -59,13 +59,13 @@ class AttentionBatch:
         return len(self.seq_lens)
 
     @classmethod
-    def decode(cls, seq_lens: list[int], page_tables: list[list[int]]) -> "AttentionBatch":
+    def decode(cls, seq_lens: list[int], page_tables: list[list[int]]) -> AttentionBatch:
         return cls(False, list(seq_lens), [1] * len(seq_lens), page_tables, len(seq_lens))
 
     @classmethod
     def prefill(
         cls, seq_lens: list[int], query_lens: list[int], page_tables: list[list[int]]
-    ) -> "AttentionBatch":
+    ) -> AttentionBatch:
         return cls(True, list(seq_lens), list(query_lens), page_tables, sum(query_lens))
 
 

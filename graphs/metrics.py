@@ -1,0 +1,42 @@
+"""Prometheus metrics of the graph runtime (registry injectable, so tests and ranks stay apart)."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+MODE_SUFFIX = {"full": "cuda_graph", "breakable": "breakable", "tc_piecewise": "tc_piecewise"}
+
+
+def pass_mode(phase: str, backend: str | None) -> str:
+    """``decode_cuda_graph``, ``decode_breakable``, ``prefill_tc_piecewise`` or ``<phase>_none``."""
+    return f"{phase}_{MODE_SUFFIX.get(backend or '', 'none')}"
+
+
+class GraphMetrics:
+    """``cuda_graph_*`` counters and gauges; ``labels`` are constant labels (group, rank, role)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, labels: dict[str, str] | None = None) -> None:
+        self.registry = registry if registry is not None else REGISTRY
+        self.labels = dict(labels or {})
+        extra = list(self.labels)
+        reg = self.registry
+        self.passes = Counter("cuda_graph_passes", "Forward passes by phase and execution mode",
+                              ["phase", "mode", *extra], registry=reg)
+        self.fallbacks = Counter("cuda_graph_fallbacks", "Eager passes by the reason they did not replay",
+                                 ["phase", "reason", *extra], registry=reg)
+        self.capture_seconds = Gauge("cuda_graph_capture_seconds", "Seconds spent capturing graphs",
+                                     ["phase", *extra], registry=reg)
+        self.memory_bytes = Gauge("cuda_graph_memory_bytes", "Graph pool bytes measured during capture",
+                                  ["phase", *extra], registry=reg)
+        self.shapes = Gauge("cuda_graph_shapes", "Captured shapes", ["phase", *extra], registry=reg)
+
+    def record_pass(self, phase: str, backend: str | None, reason: str | None) -> None:
+        """One forward pass; ``backend`` None (or a non-graph backend) counts as ``<phase>_none``."""
+        self.passes.labels(phase=phase, mode=pass_mode(phase, backend), **self.labels).inc()
+        if reason is not None:
+            self.fallbacks.labels(phase=phase, reason=reason, **self.labels).inc()
+
+    def record_capture(self, phase: str, shapes: int, seconds: float, resident_bytes: int) -> None:
+        self.shapes.labels(phase=phase, **self.labels).set(shapes)
+        self.capture_seconds.labels(phase=phase, **self.labels).set(seconds)
+        self.memory_bytes.labels(phase=phase, **self.labels).set(resident_bytes)

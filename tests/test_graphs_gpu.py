@@ -1,0 +1,254 @@
+"""CUDA graphs on the GPU: full and breakable decode against eager, structure, errors, memory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from deploy.config import load_config
+from graphs.backends import BreakableGraphBackend, FullGraphBackend, create_backend
+from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, eager_break
+from graphs.buckets import default_decode_ladder
+from graphs.decode import DecodeGraphRunner
+from graphs.process import capture_stream, graph_pool
+from tests.graph_harness import eager_logits, fill_cache_randomly, random_decode_batch
+from tests.reference import OwnModel, rel_l2
+from worker.attention.factory import flashinfer_importable
+from worker.engine import Engine
+from worker.graph_steps import ModelDecodeStep
+from worker.model.kernels import select_kernels
+from worker.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def _own(checkpoint_dir, attention: str) -> OwnModel:
+    if attention == "flashinfer" and not flashinfer_importable():
+        pytest.skip("flashinfer not installed")
+    kernels = select_kernels(CUDA, prefer_fused=attention == "flashinfer")
+    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend=attention,
+                   num_pages=8192, kernels=kernels, max_rows=320, max_pages_per_row=16)
+    fill_cache_randomly(own)
+    return own
+
+
+def _runner(own: OwnModel, backend: str, ladder=None) -> DecodeGraphRunner:
+    step = ModelDecodeStep(own.model, own.attention, breakable=backend == "breakable")
+    runner = DecodeGraphRunner(step, create_backend(backend, CUDA), ladder or default_decode_ladder(256))
+    runner.capture_all(progress=False)
+    assert not runner.failed, runner.failed
+    return runner
+
+
+def _greedy_agrees(got: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
+    """(rows whose argmax differs with a clear margin, rows whose argmax differs at a near-tie)."""
+    a, b = got.argmax(-1), ref.argmax(-1)
+    diff = (a != b).nonzero().flatten().tolist()
+    margins = [(ref[i, b[i]] - ref[i, a[i]]).item() for i in diff]
+    clear = sum(m > 0.05 for m in margins)
+    return clear, len(diff) - clear
+
+
+@pytest.mark.parametrize("attention", ["torch", "flashinfer"])
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_300_random_batches_match_eager(backend, attention, checkpoint_dir):
+    own = _own(checkpoint_dir, attention)
+    runner = _runner(own, backend)
+    rng = random.Random(0)
+    ties = rows = replayed = 0
+    for _ in range(300):
+        n = rng.randint(1, 300)
+        batch = random_decode_batch(own, rng, n, 200)
+        ref = eager_logits(own, batch).clone()
+        choice = runner.decide(batch.live)
+        if n > 256:
+            assert choice.reason == "batch_too_large"
+            continue
+        got = runner.execute(batch.live, choice)
+        replayed += 1
+        assert rel_l2(got, ref) <= 2e-2, f"{backend}/{attention}: batch {n}"
+        clear, tie = _greedy_agrees(got, ref)
+        assert clear == 0, f"{backend}/{attention}: batch {n}: {clear} greedy tokens differ"
+        ties, rows = ties + tie, rows + n
+    assert replayed > 200 and ties <= rows // 500
+    assert sum(s.hits for s in runner.backend.shapes.values()) == replayed
+    runner.release()
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_two_replays_with_different_inputs(backend, checkpoint_dir):
+    own = _own(checkpoint_dir, "torch")
+    runner = _runner(own, backend, [8])
+    rng = random.Random(1)
+    a, b = random_decode_batch(own, rng, 6, 100), random_decode_batch(own, rng, 6, 100)
+    ref_a, ref_b = eager_logits(own, a).clone(), eager_logits(own, b).clone()
+    got_a = runner.execute(a.live, runner.decide(a.live)).clone()
+    got_b = runner.execute(b.live, runner.decide(b.live)).clone()
+    assert rel_l2(got_a, ref_a) <= 2e-2 and rel_l2(got_b, ref_b) <= 2e-2
+    assert rel_l2(got_a, got_b) > 0.1
+
+
+def test_structure_full_and_breakable(checkpoint_dir):
+    own = _own(checkpoint_dir, "torch")
+    ladder = [1, 2, 4, 8, 16]
+    full = _runner(own, "full", ladder)
+    assert sorted(full.backend.shapes) == ladder
+    for shape in full.backend.shapes.values():
+        assert isinstance(shape.artifact, torch.cuda.CUDAGraph)
+        assert shape.artifact.pool() == graph_pool(CUDA)
+    brk = _runner(own, "breakable", ladder)
+    layers = own.arch.num_layers
+    for shape in brk.backend.shapes.values():
+        graph = shape.artifact
+        assert len(graph.breaks) == layers and len(graph.segments) == layers + 1
+        assert shape.num_segments == len(graph.breaks) + 1
+        assert all(seg.pool() == graph_pool(CUDA) for seg in graph.segments)
+    full.release()
+    brk.release()
+
+
+def test_boundary_buffers_keep_their_addresses():
+    lin1, lin2 = torch.nn.Linear(64, 64).cuda(), torch.nn.Linear(64, 64).cuda()
+    x = torch.zeros(8, 64, device="cuda")
+    y = torch.zeros(8, 64, device="cuda")
+    seen: list[tuple[int, int]] = []
+
+    @eager_break
+    def middle(out, h):
+        seen.append((out.data_ptr(), h.data_ptr()))
+        out.copy_(torch.tanh(h) * 2)
+
+    def fn():
+        h = lin1(x)
+        out = torch.empty_like(h)
+        middle(out, h)
+        y.copy_(lin2(out))
+
+    backend = BreakableGraphBackend(CUDA, warmup=1)
+    with torch.no_grad():
+        shape = backend.capture("toy", fn)
+        assert (shape.num_segments, shape.num_breaks) == (2, 1)
+        at_capture = seen[-1]
+        results = []
+        for seed in (1, 2):
+            x.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)).cuda())
+            backend.replay("toy")
+            torch.cuda.synchronize()
+            assert seen[-1] == at_capture
+            expected = lin2(torch.tanh(lin1(x)) * 2)
+            torch.testing.assert_close(y, expected)
+            results.append(y.clone())
+    assert not torch.equal(results[0], results[1])
+    backend.release()
+
+
+def test_break_returning_cuda_tensor_raises():
+    x = torch.ones(4, device="cuda")
+
+    @eager_break
+    def bad(h):
+        return h * 2
+
+    backend = BreakableGraphBackend(CUDA, warmup=0)
+    with pytest.raises(CaptureError, match="returned a CUDA tensor.*buffer passed as an argument"):
+        backend.capture("bad", lambda: bad(x + 1))
+    assert not backend.has("bad")
+
+
+def test_unjoined_side_stream_raises():
+    x = torch.ones(4, device="cuda")
+    out = torch.zeros(4, device="cuda")
+
+    @eager_break
+    def brk(o):
+        o.add_(1)
+
+    def fn():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.mul_(2)
+        brk(out)  # the fork was never joined back
+
+    backend = BreakableGraphBackend(CUDA, warmup=0)
+    with pytest.raises(CaptureError, match="not joined.*wait_stream"):
+        backend.capture("fork", fn)
+
+
+def test_nested_capture_raises():
+    g1, g2 = BreakableGraph(), BreakableGraph()
+    with pytest.raises(CaptureError, match="nested capture"):
+        with BreakableCapture(g1, graph_pool(CUDA), capture_stream(CUDA)):
+            with BreakableCapture(g2, graph_pool(CUDA), capture_stream(CUDA)):
+                pass
+
+
+class _ItemStep(ModelDecodeStep):
+    def forward(self, input_ids, positions):
+        logits = super().forward(input_ids, positions)
+        if logits.sum().item() > float("inf"):  # a host sync: illegal inside a capture
+            logits = logits * 2
+        return logits
+
+
+def test_item_during_capture_leaves_engine_serving_eagerly(checkpoint_dir):
+    path = checkpoint_dir("tiny-llama")
+    registry = CollectorRegistry()
+    cfg = load_config(None, [f"model.path={path}", "attention.backend=torch", "graphs.decode.batch_sizes=[1,2,4]",
+                             "graphs.decode.max_batch_size=4", "cache.num_pages=256"])
+    engine = Engine(cfg, registry=registry)
+    step = _ItemStep(engine.model, engine.attention, breakable=False)
+    runner = DecodeGraphRunner(step, FullGraphBackend(CUDA), [1, 2, 4], True, engine.graph_metrics)
+    runner.capture_all(progress=False)
+    assert sorted(runner.failed) == [1, 2, 4]
+    assert all("item()" in msg and "decode shape" in msg for msg in runner.failed.values())
+    engine.runner.decode_graphs = runner
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = engine.generate([[5] * 9, [7] * 4], params)
+    eager = Engine(load_config(None, [f"model.path={path}", "attention.backend=torch", "graphs.enabled=false",
+                                      "cache.num_pages=256"]))
+    ref = eager.generate([[5] * 9, [7] * 4], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert registry.get_sample_value("cuda_graph_fallbacks_total", {"phase": "decode", "reason": "capture_failed"}) == 5
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_engine_with_graphs_equals_eager_engine(backend, checkpoint_dir):
+    path = checkpoint_dir("tiny-qwen2")
+    registry = CollectorRegistry()
+    prompts = [[rng_tok for rng_tok in range(3 + i, 40 + 3 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    graphs = Engine(load_config(None, [f"model.path={path}", f"graphs.decode.backend={backend}",
+                                       "cache.num_pages=512", "graphs.decode.max_batch_size=16"]), registry=registry)
+    eager = Engine(load_config(None, [f"model.path={path}", "graphs.enabled=false", "cache.num_pages=512"]))
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == \
+        [o.token_ids for o in eager.generate(prompts, params)]
+    mode = "decode_cuda_graph" if backend == "full" else "decode_breakable"
+    assert registry.get_sample_value("cuda_graph_passes_total", {"phase": "decode", "mode": mode}) == 11
+
+
+def test_shared_pool_ladder_memory(checkpoint_dir):
+    """The full ladder on one pool costs at most 1.2x its largest shape alone."""
+    own = _own(checkpoint_dir, "torch")
+    step = ModelDecodeStep(own.model, own.attention, breakable=False)
+    ladder = default_decode_ladder(256)
+
+    def measure(shapes, pool):
+        backend = FullGraphBackend(CUDA, pool=pool)
+        runner = DecodeGraphRunner(step, backend, shapes)
+        runner.capture_all(progress=False)
+        total = backend.resident_bytes
+        runner.release()
+        return total
+
+    largest = measure([256], torch.cuda.graph_pool_handle())
+    shared = measure(ladder, torch.cuda.graph_pool_handle())
+    per_shape = sum(measure([b], torch.cuda.graph_pool_handle()) for b in ladder)
+    print(f"largest alone {largest / 2**20:.1f} MiB, shared ladder {shared / 2**20:.1f} MiB, "
+          f"one pool per shape {per_shape / 2**20:.1f} MiB")
+    assert shared <= 1.2 * largest
+    assert per_shape > shared
