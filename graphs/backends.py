@@ -8,6 +8,7 @@ runner. Every CUDA backend captures on the process capture stream into the proce
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError
-from graphs.process import capture_stream, graph_pool
+from graphs.process import capture_stream, graph_pool, pool_bytes
 
 
 @dataclass
@@ -34,6 +35,15 @@ class CapturedShape:
     artifact: object = field(default=None, repr=False)
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first exception of a chain (a failed capture often raises again while ending)."""
+    seen = {id(exc)}
+    while exc.__context__ is not None and id(exc.__context__) not in seen:
+        exc = exc.__context__
+        seen.add(id(exc))
+    return exc
+
+
 def _offending_call(exc: BaseException) -> str:
     """The innermost frame outside torch of ``exc``'s traceback, as ``file:line in fn: code``."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
@@ -41,6 +51,22 @@ def _offending_call(exc: BaseException) -> str:
         return "unknown call"
     f = frames[-1]
     return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+
+
+@contextlib.contextmanager
+def sync_is_error(device: torch.device):
+    """Make host synchronisation raise *before* it reaches CUDA, so a capture that tries one
+    (``.item()``, ``.cpu()``, ``nonzero``) fails cleanly and can still be ended and discarded,
+    instead of invalidating the capture and leaving the RNG and allocator in capture state."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 class GraphBackend(ABC):
@@ -79,8 +105,9 @@ class GraphBackend(ABC):
         except CaptureError as e:
             raise CaptureError(f"{phase} shape {key}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any failure inside capture is reported with its call
+            root = _root_cause(e)
             raise CaptureError(f"capturing {phase} shape {key} with the {self.name} backend failed at "
-                               f"{_offending_call(e)}: {type(e).__name__}: {e}") from e
+                               f"{_offending_call(root)}: {type(root).__name__}: {root}") from e
         shape = CapturedShape(key, self.name, time.perf_counter() - start, self._reserved() - before,
                               segments, breaks, artifact=artifact)
         self.shapes[key] = shape
@@ -102,10 +129,11 @@ class GraphBackend(ABC):
         return sum(s.resident_bytes for s in self.shapes.values())
 
     def _reserved(self) -> int:
+        """Bytes held by this backend's pool (its growth around a capture is the shape's cost)."""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_reserved(self.device)
+        return pool_bytes(self.pool, self.device)
 
     def _warm_up(self, fn: Callable[[], None]) -> None:
         if self.device.type != "cuda":
@@ -140,8 +168,13 @@ class FullGraphBackend(GraphBackend):
         if self.barrier is not None:
             self.barrier()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
-            fn()
+        try:
+            with sync_is_error(self.device), torch.cuda.graph(graph, pool=self.pool,
+                                                               stream=capture_stream(self.device)):
+                fn()
+        except BaseException:
+            graph.reset()
+            raise
         torch.cuda.synchronize(self.device)
         return graph, 1, 0
 
@@ -161,8 +194,12 @@ class BreakableGraphBackend(GraphBackend):
         if self.barrier is not None:
             self.barrier()
         graph = BreakableGraph()
-        with BreakableCapture(graph, self.pool, capture_stream(self.device), self.barrier):
-            fn()
+        try:
+            with BreakableCapture(graph, self.pool, capture_stream(self.device), self.barrier):
+                fn()
+        except BaseException:
+            graph.reset()
+            raise
         torch.cuda.synchronize(self.device)
         return graph, len(graph.segments), len(graph.breaks)
 

@@ -23,6 +23,7 @@ while any graph captured into it is alive, and replay order equals capture order
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import warnings
@@ -111,7 +112,11 @@ class BreakableCapture:
         self._stream_ctx = torch.cuda.stream(self.stream)
         self._stream_ctx.__enter__()
         self._token = _active.set(self)
-        self._begin_segment()
+        try:
+            self._begin_segment()
+        except BaseException:
+            self._leave()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -121,21 +126,34 @@ class BreakableCapture:
             else:
                 self._abort_segment()
         finally:
-            _active.reset(self._token)
-            self._stream_ctx.__exit__(None, None, None)
+            self._leave()
+
+    def _leave(self) -> None:
+        _active.reset(self._token)
+        self._stream_ctx.__exit__(None, None, None)
 
     def _begin_segment(self) -> None:
         self._segment = torch.cuda.CUDAGraph()
-        self._segment.capture_begin(pool=self.pool)
+        # Host syncs raise before reaching CUDA while a segment records (see backends.sync_is_error).
+        self._sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._segment.capture_begin(pool=self.pool)
+        except BaseException:
+            self._segment = None
+            torch.cuda.set_sync_debug_mode(self._sync_mode)
+            raise
 
     def _end_segment(self, where: str) -> None:
         segment, self._segment = self._segment, None
+        torch.cuda.set_sync_debug_mode(self._sync_mode)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
                 segment.capture_end()
         except RuntimeError as e:
-            if "unjoined" in str(e).lower():
+            text = str(e).lower()
+            if "unjoined" in text or "not joined" in text or "join" in text:
                 raise CaptureError(
                     f"a side stream forked from the capture stream was not joined before {where}: "
                     "call capture_stream.wait_stream(side_stream) after the side-stream work") from e
@@ -145,10 +163,9 @@ class BreakableCapture:
     def _abort_segment(self) -> None:
         segment, self._segment = self._segment, None
         if segment is not None:
-            try:
-                segment.capture_end()
-            except RuntimeError:
-                pass  # the capture is already invalid; ending it returns the stream to normal mode
+            torch.cuda.set_sync_debug_mode(self._sync_mode)
+            with contextlib.suppress(RuntimeError):
+                segment.capture_end()  # ends the stream's capture mode; the segment is discarded
 
     def run_break(self, fn: Callable, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
         name = getattr(fn, "__qualname__", repr(fn))
@@ -162,7 +179,14 @@ class BreakableCapture:
                 f"eager break '{name}' returned a CUDA tensor; its address would change on every replay. "
                 "Write the result into a buffer passed as an argument and return None instead")
         weak_args, weak_kwargs = _alias_args(args), _alias_args(kwargs)
-        self.graph.breaks.append(lambda: fn(*weak_args, **weak_kwargs))
+        inference = torch.is_inference_mode_enabled()
+
+        def replay_break() -> None:
+            # Boundary buffers made under inference mode may only be written under it.
+            with torch.inference_mode(inference):
+                fn(*weak_args, **weak_kwargs)
+
+        self.graph.breaks.append(replay_break)
         self.graph.break_names.append(name)
         self._begin_segment()
         return result

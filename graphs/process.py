@@ -17,7 +17,7 @@ import threading
 import torch
 
 _lock = threading.Lock()
-_pools: dict[int, tuple] = {}
+_pools: dict[int, torch.cuda.MemPool] = {}
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -32,13 +32,27 @@ def _index(device: torch.device | int | None) -> int:
 
 
 def graph_pool(device: torch.device | int | None = None) -> tuple:
-    """The process's graph memory pool handle for ``device`` (created on first call)."""
+    """The process's graph memory pool id for ``device`` (created on first call).
+
+    The pool is a ``torch.cuda.MemPool`` held here, so it outlives the graphs captured into
+    it: releasing every graph (a re-plan, a test) does not invalidate the id for later captures.
+    """
     idx = _index(device)
     with _lock:
         if idx not in _pools:
             with torch.cuda.device(idx):
-                _pools[idx] = torch.cuda.graph_pool_handle()
-        return _pools[idx]
+                _pools[idx] = torch.cuda.MemPool()
+        return _pools[idx].id
+
+
+def pool_bytes(pool: tuple, device: torch.device | int | None = None) -> int:
+    """Bytes of device memory currently reserved by the graph pool ``pool`` (from the allocator)."""
+    idx = _index(device)
+    total = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device") == idx and tuple(segment.get("segment_pool_id", ())) == tuple(pool):
+            total += segment["total_size"]
+    return total
 
 
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:

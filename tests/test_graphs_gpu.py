@@ -13,7 +13,7 @@ from graphs.backends import BreakableGraphBackend, FullGraphBackend, create_back
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, eager_break
 from graphs.buckets import default_decode_ladder
 from graphs.decode import DecodeGraphRunner
-from graphs.process import capture_stream, graph_pool
+from graphs.process import capture_stream, graph_pool, pool_bytes
 from tests.graph_harness import eager_logits, fill_cache_randomly, random_decode_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -49,7 +49,7 @@ def _greedy_agrees(got: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
     a, b = got.argmax(-1), ref.argmax(-1)
     diff = (a != b).nonzero().flatten().tolist()
     margins = [(ref[i, b[i]] - ref[i, a[i]]).item() for i in diff]
-    clear = sum(m > 0.05 for m in margins)
+    clear = sum(m > 0.25 for m in margins)  # 0.25 = 8 bf16 ulps at |logit| 4..8
     return clear, len(diff) - clear
 
 
@@ -205,7 +205,8 @@ def test_item_during_capture_leaves_engine_serving_eagerly(checkpoint_dir):
     runner = DecodeGraphRunner(step, FullGraphBackend(CUDA), [1, 2, 4], True, engine.graph_metrics)
     runner.capture_all(progress=False)
     assert sorted(runner.failed) == [1, 2, 4]
-    assert all("item()" in msg and "decode shape" in msg for msg in runner.failed.values())
+    for msg in runner.failed.values():
+        assert "item()" in msg and "decode shape" in msg, msg
     engine.runner.decode_graphs = runner
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     got = engine.generate([[5] * 9, [7] * 4], params)
@@ -237,17 +238,20 @@ def test_shared_pool_ladder_memory(checkpoint_dir):
     step = ModelDecodeStep(own.model, own.attention, breakable=False)
     ladder = default_decode_ladder(256)
 
-    def measure(shapes, pool):
-        backend = FullGraphBackend(CUDA, pool=pool)
+    def measure(shapes):
+        pool = torch.cuda.MemPool()
+        backend = FullGraphBackend(CUDA, pool=pool.id)
         runner = DecodeGraphRunner(step, backend, shapes)
         runner.capture_all(progress=False)
+        assert not runner.failed, runner.failed
         total = backend.resident_bytes
+        assert total == pool_bytes(pool.id)
         runner.release()
         return total
 
-    largest = measure([256], torch.cuda.graph_pool_handle())
-    shared = measure(ladder, torch.cuda.graph_pool_handle())
-    per_shape = sum(measure([b], torch.cuda.graph_pool_handle()) for b in ladder)
+    largest = measure([256])
+    shared = measure(ladder)
+    per_shape = sum(measure([b]) for b in ladder)
     print(f"largest alone {largest / 2**20:.1f} MiB, shared ladder {shared / 2**20:.1f} MiB, "
           f"one pool per shape {per_shape / 2**20:.1f} MiB")
     assert shared <= 1.2 * largest

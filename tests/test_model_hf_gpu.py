@@ -10,7 +10,7 @@ from tests.reference import OwnModel, hf_logits, rel_err, rel_l2
 from tests.test_model_hf import TINY_PRESETS, _prompts
 from worker.attention.factory import flashinfer_importable
 from worker.engine import Engine
-from worker.model.kernels import select_kernels
+from worker.model.kernels import TorchKernels, select_kernels
 from worker.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -24,15 +24,15 @@ def _skip_missing(backend: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_bf16():
+def hf_models():
     transformers = pytest.importorskip("transformers")
     cache = {}
 
-    def get(path):
-        if path not in cache:
-            cache[path] = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.bfloat16).to("cuda").eval()
-        return cache[path]
+    def get(path, dtype):
+        if (path, dtype) not in cache:
+            cache[(path, dtype)] = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype).to("cuda").eval()
+        return cache[(path, dtype)]
 
     return get
 
@@ -47,39 +47,51 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_bf16_logits_and_greedy_match_hf(preset, backend, checkpoint_dir, hf_bf16):
+def test_bf16_logits_and_greedy_match_hf(preset, backend, checkpoint_dir, hf_models):
+    """Our bf16 model against HF's fp32 logits (the accurate reference), with HF's own bf16 model
+    against the same reference as the noise floor: ours must be within 2e-2 (relative L2) or, on
+    a model whose bf16 noise floor is itself near that, within 1.25x of HF bf16's own error."""
     _skip_missing(backend)
     path = checkpoint_dir(preset)
-    hf = hf_bf16(path)
+    hf32, hf16 = hf_models(path, torch.float32), hf_models(path, torch.bfloat16)
     kernels = select_kernels(torch.device("cuda"), prefer_fused=backend == "flashinfer")
     ours = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend=backend, kernels=kernels)
     prompts = _prompts(ours.arch.vocab_size, seed=len(preset))
     reqs = [ours.new_request(p, i) for i, p in enumerate(prompts)]
     logits = ours.step(reqs, [len(p) for p in prompts], is_prefill=True)
-    offset, seqs, last, worst_max = 0, [], [], 0.0
-    for p in prompts:
-        got, ref = logits[offset:offset + len(p)], hf_logits(hf, p)
+    errors, floors, worst_max = [], [], 0.0
+
+    def check(got, seq, rows):
+        nonlocal worst_max
+        ref = hf_logits(hf32, seq)[rows]
+        errors.append(rel_l2(got, ref))
+        floors.append(rel_l2(hf_logits(hf16, seq)[rows], ref))
         worst_max = max(worst_max, rel_err(got, ref))
-        assert rel_l2(got, ref) <= 2e-2, f"{preset}/{backend}: prompt logits"
+        assert errors[-1] <= max(2e-2, 1.25 * floors[-1]), \
+            f"{preset}/{backend}: {errors[-1]:.4f} vs floor {floors[-1]:.4f}"
+
+    offset, seqs, last = 0, [], []
+    for p in prompts:
+        got = logits[offset:offset + len(p)]
+        check(got, p, slice(None))
         seqs.append(list(p))
         last.append(got[-1])
         offset += len(p)
-    for step in range(16):
+    for _ in range(16):
         for r, s, lg in zip(reqs, seqs, last):
             s.append(int(lg.argmax()))
             r.output_ids.append(s[-1])
         last = list(ours.step(reqs, [1] * len(reqs), is_prefill=False))
         for s, got in zip(seqs, last):
-            ref = hf_logits(hf, s)[-1]
-            worst_max = max(worst_max, rel_err(got, ref))
-            assert rel_l2(got, ref) <= 2e-2, f"{preset}/{backend}: decode step {step}"
-    print(f"{preset}/{backend}: worst max-abs relative error {worst_max:.4f}")
+            check(got, s, -1)
+    print(f"{preset}/{backend}: rel L2 vs HF fp32 mean {sum(errors) / len(errors):.4f} max {max(errors):.4f}; "
+          f"HF bf16 floor mean {sum(floors) / len(floors):.4f} max {max(floors):.4f}; worst max-abs {worst_max:.4f}")
 
     engine = Engine(load_config(None, [f"model.path={path}", "model.dtype=bfloat16",
                                        f"attention.backend={backend}", "cache.num_pages=512"]))
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for p, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(hf, p, 8), f"{preset}/{backend}: first 8 greedy tokens"
+        assert out.token_ids == _hf_greedy(hf16, p, 8), f"{preset}/{backend}: first 8 greedy tokens"
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
@@ -89,7 +101,7 @@ def test_both_backends_agree_bf16(preset, checkpoint_dir):
     prompts = _prompts(1024, seed=3)
     results = {}
     for backend in BACKENDS:
-        kernels = select_kernels(torch.device("cuda"), prefer_fused=backend == "flashinfer")
+        kernels = TorchKernels  # the same element-wise kernels: only the attention backend differs
         ours = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend=backend, kernels=kernels)
         reqs = [ours.new_request(p, i) for i, p in enumerate(prompts)]
         prefill = ours.step(reqs, [len(p) for p in prompts], is_prefill=True)
@@ -99,3 +111,5 @@ def test_both_backends_agree_bf16(preset, checkpoint_dir):
         results[backend] = (prefill, decode)
     assert rel_l2(results["flashinfer"][0], results["torch"][0]) <= 2e-2
     assert rel_l2(results["flashinfer"][1], results["torch"][1]) <= 2e-2
+    print(f"{preset}: flashinfer vs torch rel L2 prefill {rel_l2(results['flashinfer'][0], results['torch'][0]):.4f} "
+          f"decode {rel_l2(results['flashinfer'][1], results['torch'][1]):.4f}")
