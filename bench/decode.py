@@ -96,6 +96,8 @@ def ours(setup: Setup, batches: list[int], repeats: int) -> tuple[dict, dict]:
         step = ModelDecodeStep(setup.model, setup.attention, breakable=name == "breakable")
         runner = DecodeGraphRunner(step, create_backend(name, CUDA), batches)
         summary = runner.capture_all(progress=False)
+        if runner.failed:
+            raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
         memory[name] = {"capture_s": summary.seconds, "bytes": summary.resident_bytes}
         for b in batches:
             live = setup.batch(b)
@@ -114,6 +116,8 @@ def ladder_memory(setup: Setup, max_bs: int) -> dict:
     def measure(shapes):
         runner = DecodeGraphRunner(step, create_backend("full", CUDA, pool=torch.cuda.graph_pool_handle()), shapes)
         runner.capture_all(progress=False)
+        if runner.failed:
+            raise RuntimeError(f"capture failed: {runner.failed}")
         total = runner.backend.resident_bytes
         runner.release()
         gc.collect()

@@ -1,4 +1,4 @@
-"""Eager decode step time of the engine against the HBM floor (issue: engine baseline).
+"""Eager decode step time of the engine (graphs off) against the HBM floor: the baseline.
 
 For each preset and attention backend: B requests of ``--context`` prompt tokens are prefilled,
 then full engine decode steps (schedule + plan + forward + sample + read tokens) are timed.
@@ -45,6 +45,7 @@ def bench_one(path: Path, backend: str, batches: list[int], context: int, repeat
     max_b = max(batches)
     pages = max_b * (-(-(context + repeats + 16) // 16)) + 64
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"attention.backend={backend}",
+                             "graphs.enabled=false",
                              f"cache.num_pages={pages}", f"scheduler.max_running_requests={max_b}"])
     engine = Engine(cfg)
     rows = []

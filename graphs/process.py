@@ -16,8 +16,9 @@ import threading
 
 import torch
 
-_lock = threading.Lock()
-_pools: dict[int, torch.cuda.MemPool] = {}
+_lock = threading.RLock()
+_pools: dict[int, tuple] = {}
+_anchors: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -34,15 +35,22 @@ def _index(device: torch.device | int | None) -> int:
 def graph_pool(device: torch.device | int | None = None) -> tuple:
     """The process's graph memory pool id for ``device`` (created on first call).
 
-    The pool is a ``torch.cuda.MemPool`` held here, so it outlives the graphs captured into
-    it: releasing every graph (a re-plan, a test) does not invalidate the id for later captures.
+    A pool dies when the last graph captured into it is released, after which its id cannot be
+    captured into again. A one-kernel *anchor* graph captured at creation and held here keeps
+    the pool alive, so releasing every real graph (a re-plan, a test) leaves it usable.
     """
     idx = _index(device)
     with _lock:
         if idx not in _pools:
             with torch.cuda.device(idx):
-                _pools[idx] = torch.cuda.MemPool()
-        return _pools[idx].id
+                pool = torch.cuda.graph_pool_handle()
+                anchor, scratch = torch.cuda.CUDAGraph(), torch.zeros(1, device=idx)
+                stream = capture_stream(idx)
+                stream.wait_stream(torch.cuda.current_stream(idx))
+                with torch.cuda.graph(anchor, pool=pool, stream=stream):
+                    scratch.add_(1)
+                _pools[idx], _anchors[idx] = pool, (anchor, scratch)
+        return _pools[idx]
 
 
 def pool_bytes(pool: tuple, device: torch.device | int | None = None) -> int:
@@ -67,5 +75,8 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
 def release_process_graphs() -> None:
     """Forget the pool handles and streams; call only after every graph has been released."""
     with _lock:
+        for anchor, _ in _anchors.values():
+            anchor.reset()
+        _anchors.clear()
         _pools.clear()
         _streams.clear()

@@ -239,13 +239,13 @@ def test_shared_pool_ladder_memory(checkpoint_dir):
     ladder = default_decode_ladder(256)
 
     def measure(shapes):
-        pool = torch.cuda.MemPool()
-        backend = FullGraphBackend(CUDA, pool=pool.id)
+        pool = torch.cuda.graph_pool_handle()  # a private pool per measurement
+        backend = FullGraphBackend(CUDA, pool=pool)
         runner = DecodeGraphRunner(step, backend, shapes)
         runner.capture_all(progress=False)
         assert not runner.failed, runner.failed
         total = backend.resident_bytes
-        assert total == pool_bytes(pool.id)
+        assert total == pool_bytes(pool)
         runner.release()
         return total
 
