@@ -51,8 +51,9 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
 
 
 class Setup:
-    def __init__(self, path: Path, max_bs: int, context: int) -> None:
-        self.model, self.arch = load_model(path, torch.bfloat16, CUDA, kernels=select_kernels(CUDA))
+    def __init__(self, path: Path, max_bs: int, context: int, attention: str = "flashinfer") -> None:
+        self.model, self.arch = load_model(path, torch.bfloat16, CUDA,
+                                           kernels=select_kernels(CUDA, prefer_fused=attention == "flashinfer"))
         ps = 16
         self.pages_per_row = -(-(context + 1) // ps)
         num_pages = max_bs * self.pages_per_row + 2
@@ -60,7 +61,7 @@ class Setup:
         self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, ps, shape.num_kv_heads,
                                                self.arch.head_dim), torch.bfloat16, CUDA)
         self.cache.kv.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
-        self.attention = create_attention_backend("flashinfer", shape, self.cache, max_bs, max(max_bs, 8192),
+        self.attention = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
                                                   self.pages_per_row)
         self.context = context
 
@@ -191,6 +192,7 @@ def main() -> None:
     ap.add_argument("--compile-batches", default="1,64",
                     help="batch sizes for the torch.compile peers (each size compiles anew)")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "torch"])
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     peers = set(filter(None, args.peers.split(",")))
@@ -199,7 +201,8 @@ def main() -> None:
     results, table = {"env": environment(), "copy_bandwidth_Bps": bw, "args": vars(args), "presets": {}}, []
     for preset in args.presets.split(","):
         path = ensure_checkpoint(preset, Path(args.checkpoints))
-        setup = Setup(path, max(batches), args.context)
+        setup = Setup(path, max(batches), args.context, args.attention)
+        floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
         rows, memory = ours(setup, batches, args.repeats)
         memory["ladder"] = ladder_memory(setup, max(batches))
         compile_batches = [int(b) for b in args.compile_batches.split(",")]
@@ -209,11 +212,12 @@ def main() -> None:
         torch.cuda.empty_cache()
         hf = hf_peer(path, batches, args.context, args.repeats, False) if "hf" in peers else {}
         hfc = hf_peer(path, compile_batches, args.context, args.repeats, True) if "hf_compile" in peers else {}
-        floor_setup_bytes = {}
         per_preset = []
         for b in batches:
             r = {"preset": preset, "batch": b,
                  **{f"{k}_ms": rows[(k, b)] * 1e3 for k in ("eager", "full", "breakable")}}
+            r["floor_ms"] = floors[b]
+            r["full_over_floor"] = r["full_ms"] / floors[b]
             r["eager_over_full"] = rows[("eager", b)] / rows[("full", b)]
             r["breakable_over_full"] = rows[("breakable", b)] / rows[("full", b)]
             for name, res in (("hf_eager", hf), ("hf_compile", hfc), ("ours_compile", compiled)):
@@ -222,18 +226,8 @@ def main() -> None:
                 if isinstance(v, str):
                     r[f"{name}_error"] = v
             per_preset.append(r)
-        results["presets"][preset] = {"rows": per_preset, "graph_memory": memory, "floor": floor_setup_bytes}
+        results["presets"][preset] = {"rows": per_preset, "graph_memory": memory}
         table += per_preset
-    # The floor needs the weights on the device; recompute cheaply from the checkpoint shapes.
-    for preset in args.presets.split(","):
-        path = ensure_checkpoint(preset, Path(args.checkpoints))
-        setup = Setup(path, max(batches), args.context)
-        for r in results["presets"][preset]["rows"]:
-            r["floor_ms"] = setup.floor_bytes(r["batch"]) / bw * 1e3
-            r["full_over_floor"] = r["full_ms"] / r["floor_ms"]
-        del setup
-        gc.collect()
-        torch.cuda.empty_cache()
     print_table(table, ["preset", "batch", "floor_ms", "eager_ms", "full_ms", "breakable_ms", "hf_eager_ms",
                         "hf_compile_ms", "ours_compile_ms", "eager_over_full", "breakable_over_full",
                         "full_over_floor"])
