@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError
+from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.process import capture_stream, graph_pool, pool_bytes
 
 
@@ -168,10 +168,16 @@ class FullGraphBackend(GraphBackend):
         if self.barrier is not None:
             self.barrier()
         graph = torch.cuda.CUDAGraph()
+        stream = capture_stream(self.device)
         try:
-            with sync_is_error(self.device), torch.cuda.graph(graph, pool=self.pool,
-                                                               stream=capture_stream(self.device)):
-                fn()
+            with ForkTracker(stream) as forks, sync_is_error(self.device), \
+                    torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                try:
+                    fn()
+                finally:
+                    unjoined = forks.join_all()  # before capture_end, whatever happened
+            if unjoined:
+                raise unjoined_error(unjoined, "the end of capture")
         except BaseException:
             graph.reset()
             raise

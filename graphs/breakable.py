@@ -68,6 +68,52 @@ def _contains_cuda_tensor(value: Any) -> bool:
     return False
 
 
+class ForkTracker:
+    """While active, records side streams forked from (and joined back to) ``stream``.
+
+    An unjoined fork makes ``capture_end`` fail inside PyTorch before it stops routing
+    allocations to the graph pool, which poisons every later capture in the process. Knowing the
+    forks lets a capture join them itself, end cleanly, and then report the error. Tracks
+    ``Stream.wait_stream`` (forks made only through raw events are not seen).
+    """
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self._forks: dict[int, torch.cuda.Stream] = {}
+        self._original = None
+
+    def __enter__(self) -> ForkTracker:
+        original = self._original = torch.cuda.Stream.wait_stream
+        tracker = self
+
+        def wait_stream(stream: torch.cuda.Stream, other: torch.cuda.Stream) -> None:
+            if other == tracker.stream and stream != tracker.stream:
+                tracker._forks[stream.stream_id] = stream
+            elif stream == tracker.stream:
+                tracker._forks.pop(other.stream_id, None)
+            return original(stream, other)
+
+        torch.cuda.Stream.wait_stream = wait_stream
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.Stream.wait_stream = self._original
+
+    def join_all(self) -> int:
+        """Join every still-forked side stream back into ``stream``; returns how many there were."""
+        n = len(self._forks)
+        for side in self._forks.values():
+            self._original(self.stream, side)
+        self._forks.clear()
+        return n
+
+
+def unjoined_error(count: int, where: str) -> CaptureError:
+    return CaptureError(
+        f"{count} side stream(s) forked from the capture stream were not joined before {where}: "
+        "call capture_stream.wait_stream(side_stream) after the side-stream work")
+
+
 class BreakableGraph:
     """Captured segments and the eager calls between them; ``len(segments) == len(breaks) + 1``."""
 
@@ -103,6 +149,7 @@ class BreakableCapture:
         self._segment: torch.cuda.CUDAGraph | None = None
         self._stream_ctx = None
         self._token = None
+        self._forks = ForkTracker(stream)
 
     def __enter__(self) -> BreakableCapture:
         if _active.get() is not None:
@@ -112,6 +159,7 @@ class BreakableCapture:
         self._stream_ctx = torch.cuda.stream(self.stream)
         self._stream_ctx.__enter__()
         self._token = _active.set(self)
+        self._forks.__enter__()
         try:
             self._begin_segment()
         except BaseException:
@@ -129,6 +177,7 @@ class BreakableCapture:
             self._leave()
 
     def _leave(self) -> None:
+        self._forks.__exit__(None, None, None)
         _active.reset(self._token)
         self._stream_ctx.__exit__(None, None, None)
 
@@ -147,23 +196,19 @@ class BreakableCapture:
     def _end_segment(self, where: str) -> None:
         segment, self._segment = self._segment, None
         torch.cuda.set_sync_debug_mode(self._sync_mode)
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                segment.capture_end()
-        except RuntimeError as e:
-            text = str(e).lower()
-            if "unjoined" in text or "not joined" in text or "join" in text:
-                raise CaptureError(
-                    f"a side stream forked from the capture stream was not joined before {where}: "
-                    "call capture_stream.wait_stream(side_stream) after the side-stream work") from e
-            raise
+        unjoined = self._forks.join_all()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            segment.capture_end()
+        if unjoined:
+            raise unjoined_error(unjoined, where)
         self.graph.segments.append(segment)
 
     def _abort_segment(self) -> None:
         segment, self._segment = self._segment, None
         if segment is not None:
             torch.cuda.set_sync_debug_mode(self._sync_mode)
+            self._forks.join_all()
             with contextlib.suppress(RuntimeError):
                 segment.capture_end()  # ends the stream's capture mode; the segment is discarded
 

@@ -177,6 +177,13 @@ def test_unjoined_side_stream_raises():
     backend = BreakableGraphBackend(CUDA, warmup=0)
     with pytest.raises(CaptureError, match="not joined.*wait_stream"):
         backend.capture("fork", fn)
+    full = FullGraphBackend(CUDA, warmup=0)
+    with pytest.raises(CaptureError, match="not joined.*wait_stream"):
+        full.capture("fork", fn)
+    # the failed captures ended cleanly: the pool and the RNG still work for the next capture
+    torch.randn(4, device="cuda")
+    full.capture("fine", lambda: out.add_(1))
+    full.replay("fine")
 
 
 def test_nested_capture_raises():
