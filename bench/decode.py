@@ -206,12 +206,14 @@ def main() -> None:
         rows, memory = ours(setup, batches, args.repeats)
         memory["ladder"] = ladder_memory(setup, max(batches))
         compile_batches = [int(b) for b in args.compile_batches.split(",")]
+        # torch.compile runs last: on torch 2.11 building a model after it tripped a
+        # PythonDispatcher assert. With compile peers on, give one preset per invocation.
+        hf = hf_peer(path, batches, args.context, args.repeats, False) if "hf" in peers else {}
+        hfc = hf_peer(path, compile_batches, args.context, args.repeats, True) if "hf_compile" in peers else {}
         compiled = compiled_ours(setup, compile_batches, args.repeats) if "ours_compile" in peers else {}
         del setup
         gc.collect()
         torch.cuda.empty_cache()
-        hf = hf_peer(path, batches, args.context, args.repeats, False) if "hf" in peers else {}
-        hfc = hf_peer(path, compile_batches, args.context, args.repeats, True) if "hf_compile" in peers else {}
         per_preset = []
         for b in batches:
             r = {"preset": preset, "batch": b,

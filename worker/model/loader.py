@@ -39,6 +39,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         log.warning("%s: %d checkpoint tensors unused, e.g. %s", model_dir, len(unused), unused[:3])
     ckpt.close()
     model.eval()
-    log.info("loaded %s (%s, %.2fB params) as %s on %s in %.1fs", Path(model_dir).name, arch.architecture,
-             arch.num_parameters() / 1e9, str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    n = arch.num_parameters()
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    log.info("loaded %s (%s, %s params) as %s on %s in %.1fs", Path(model_dir).name, arch.architecture,
+             size, str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return model, arch
