@@ -105,6 +105,8 @@ class GraphRunner(ABC, Generic[Batch, Output]):
 
     def execute(self, batch: Batch, choice: BucketChoice) -> Output:
         """Load ``batch`` into the static buffers of ``choice.size``, replay, slice the outputs."""
+        if not choice.replays:
+            raise ValueError(f"execute needs a shape to replay; decide() said eager ({choice.reason})")
         self.load(batch, choice.size)
         self.backend.replay(choice.size)
         if self.metrics is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from graphs.decode import LiveDecodeBatch
+from graphs.prefill import LivePrefillBatch
 from tests.reference import OwnModel
 from worker.attention.base import AttentionBatch
 
@@ -44,3 +45,35 @@ def eager_logits(own: OwnModel, batch: RandomDecodeBatch) -> torch.Tensor:
     own.attention.plan(batch.live.attention)
     hidden = own.model(batch.live.input_ids, batch.live.positions, own.attention)
     return own.model.compute_logits(hidden)
+
+
+@dataclass
+class RandomPrefillBatch:
+    live: LivePrefillBatch
+    pages: set[int]
+
+
+def random_prefill_batch(own: OwnModel, rng: random.Random, requests: int, max_new: int,
+                         max_prefix: int = 0) -> RandomPrefillBatch:
+    """``requests`` rows each appending 1..max_new tokens after a cached prefix of 0..max_prefix."""
+    ps = own.page_size
+    prefix = [rng.randint(0, max_prefix) for _ in range(requests)]
+    new = [rng.randint(1, max_new) for _ in range(requests)]
+    seq_lens = [p + n for p, n in zip(prefix, new)]
+    need = sum(-(-s // ps) for s in seq_lens)
+    pages = rng.sample(range(1, own.cache.num_pages), need)
+    tables, at = [], 0
+    for s in seq_lens:
+        k = -(-s // ps)
+        tables.append(pages[at:at + k])
+        at += k
+    device = own.cache.device
+    ids = torch.tensor([rng.randrange(3, own.arch.vocab_size) for _ in range(sum(new))], device=device)
+    pos = torch.tensor([p + i for p, n in zip(prefix, new) for i in range(n)], device=device)
+    attention = AttentionBatch.prefill(seq_lens, new, tables)
+    return RandomPrefillBatch(LivePrefillBatch(ids, pos, attention, requests), set(pages))
+
+
+def eager_hidden(own: OwnModel, live: LivePrefillBatch) -> torch.Tensor:
+    own.attention.plan(live.attention)
+    return own.model(live.input_ids, live.positions, own.attention)

@@ -25,9 +25,10 @@ from graphs.backends import create_backend
 from graphs.buckets import default_decode_ladder
 from graphs.decode import DecodeGraphRunner
 from graphs.metrics import GraphMetrics
+from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from worker.attention.factory import create_attention_backend
 from worker.detokenizer import OutputText
-from worker.graph_steps import ModelDecodeStep
+from worker.graph_steps import ModelDecodeStep, ModelPrefillStep
 from worker.kv_cache import KVCacheShape, PageAllocator, PagedKVCache
 from worker.model.kernels import select_kernels
 from worker.model.loader import load_model, resolve_dtype
@@ -116,14 +117,19 @@ class Engine:
             dtype, self.device)
         sched = config.scheduler
         max_rows = sched.max_running_requests
-        max_tokens = max(sched.max_num_batched_tokens, max_rows)
+        self.prefill_ceiling = (max(config.graphs.prefill.token_buckets) if config.graphs.prefill.token_buckets
+                                else config.graphs.prefill.resolved_max_tokens(sched.chunked_prefill_size))
+        max_tokens = max(sched.max_num_batched_tokens, max_rows, self.prefill_ceiling)
         self.attention = create_attention_backend(
             config.attention.backend, self.model.attention_shape, self.kv_cache, max_rows, max_tokens,
             -(-max_len // page_size))
         self.registry = registry if registry is not None else CollectorRegistry()
         self.graph_metrics = GraphMetrics(self.registry)
+        # Prefill first: its largest shape reserves the most pool memory, which decode then reuses.
+        prefill_graphs, prefill_reason = self._build_prefill_graphs()
         decode_graphs, eager_reason = self._build_decode_graphs()
-        self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, eager_reason)
+        self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, eager_reason,
+                                  prefill_graphs, prefill_reason)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
@@ -137,21 +143,49 @@ class Engine:
         log.info("engine ready: %s attention, %d KV pages of %d tokens, max_model_len %d",
                  self.attention.name, num_pages, page_size, max_len)
 
+    def _graph_backend_name(self, phase: str) -> tuple[str | None, str]:
+        """(backend ``phase`` captures with, "") or (None, the reason its passes run eagerly)."""
+        g = self.config.graphs
+        name = "debug" if g.debug else getattr(g, phase).backend
+        if not g.enabled or g.capture not in ("both", phase):
+            log.info("%s CUDA graphs off by config (graphs.enabled=%s, graphs.capture=%s)", phase, g.enabled, g.capture)
+            return None, "disabled"
+        if name == "eager":
+            log.info("%s runs eagerly (graphs.%s.backend=eager)", phase, phase)
+            return None, "disabled"
+        if self.device.type != "cuda" and name != "debug":
+            log.info("no CUDA device: CUDA graphs are off and %s runs eagerly on %s "
+                     "(graphs.%s.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
+                     phase, self.device, phase, name)
+            return None, "no_cuda"
+        if name == "tc_piecewise":
+            raise ValueError("graphs.prefill.backend=tc_piecewise (the torch.compile comparator) is not built yet; "
+                             "use breakable, full, eager or debug")
+        return name, ""
+
+    def _build_prefill_graphs(self) -> tuple[PrefillGraphRunner | None, str]:
+        """The prefill graph runner the config asks for, captured now; or None and why not."""
+        name, reason = self._graph_backend_name("prefill")
+        if name is None:
+            return None, reason
+        p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
+        ladder = list(p.token_buckets) if p.token_buckets else default_prefill_ladder(self.prefill_ceiling)
+        if name == "full":
+            log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
+                        "with fixed request slots; breakable is the production default")
+        step = ModelPrefillStep(self.model, self.attention, breakable=name != "full")
+        runner = PrefillGraphRunner(step, create_backend(name, self.device), ladder,
+                                    p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
+                                    self.model.dtype)
+        runner.capture_all(timeout_s=self.config.graphs.capture_timeout_s)
+        return runner, "disabled"
+
     def _build_decode_graphs(self) -> tuple[DecodeGraphRunner | None, str]:
         """The decode graph runner the config asks for, captured now; or None and why not."""
         g = self.config.graphs
-        name = "debug" if g.debug else g.decode.backend
-        if not g.enabled or g.capture in ("none", "prefill"):
-            log.info("decode CUDA graphs off by config (graphs.enabled=%s, graphs.capture=%s)", g.enabled, g.capture)
-            return None, "disabled"
-        if name == "eager":
-            log.info("decode runs eagerly (graphs.decode.backend=eager)")
-            return None, "disabled"
-        if self.device.type != "cuda" and name != "debug":
-            log.info("no CUDA device: CUDA graphs are off and decode runs eagerly on %s "
-                     "(graphs.decode.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
-                     self.device, name)
-            return None, "no_cuda"
+        name, reason = self._graph_backend_name("decode")
+        if name is None:
+            return None, reason
         max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
         ladder = list(g.decode.batch_sizes) if g.decode.batch_sizes else default_decode_ladder(max_bs)
         step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")

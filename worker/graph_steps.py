@@ -46,3 +46,56 @@ class ModelDecodeStep:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, positions, self._forward_attention)
         return self.model.compute_logits(hidden)
+
+
+def pad_prefill_batch(batch: AttentionBatch, tokens: int, slots: int) -> AttentionBatch:
+    """``batch`` in ``slots`` rows and ``tokens`` tokens: unused rows are zero-length sentinels.
+
+    Sentinel rows have sequence and query length 0 and no pages, so their offsets sit after the
+    real tokens and they read and write nothing; tokens past the real ones are tail padding
+    whose KV goes to the dummy page.
+    """
+    pad = slots - batch.num_rows
+    if pad < 0:
+        raise ValueError(f"{batch.num_rows} requests do not fit {slots} request slots")
+    if tokens < batch.num_tokens:
+        raise ValueError(f"cannot pad {batch.num_tokens} tokens down to {tokens}")
+    return AttentionBatch(True, batch.seq_lens + [0] * pad, batch.query_lens + [0] * pad,
+                          batch.page_tables + [[] for _ in range(pad)], tokens)
+
+
+def dummy_prefill_batch(tokens: int, slots: int, page_size: int) -> AttentionBatch:
+    """A capture batch: one row of ``tokens`` tokens whose pages are all the dummy page."""
+    row = AttentionBatch.prefill([tokens], [tokens], [[PagedKVCache.DUMMY_PAGE] * -(-tokens // page_size)])
+    return pad_prefill_batch(row, tokens, slots)
+
+
+class ModelPrefillStep:
+    """Prefill step (body only) of a :class:`LlamaForCausalLM` over an attention backend.
+
+    ``breakable=True`` runs attention (and so its host-dependent work) as eager breaks; otherwise
+    attention is recorded in the graph, which needs a backend whose prefill ``run`` is
+    graph-safe (flashinfer: one CUDA-graph wrapper per captured (slots, tokens) shape).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, breakable: bool) -> None:
+        if not breakable and not attention.graph_safe(True):
+            raise ValueError(f"graphs.prefill.backend=full needs a graph-safe prefill attention backend; "
+                             f"attention.backend={attention.name} is not (use graphs.prefill.backend=breakable)")
+        self.model = model
+        self.attention = attention
+        self.breakable = breakable
+        self.hidden_size = model.arch.hidden_size
+        self.device = model.device
+        self._forward_attention = BreakingAttention(attention) if breakable else attention
+
+    def plan(self, attention: AttentionBatch, tokens: int, slots: int) -> None:
+        self.attention.plan(pad_prefill_batch(attention, tokens, slots))
+
+    def plan_dummy(self, tokens: int, slots: int) -> None:
+        if not self.breakable and hasattr(self.attention, "graph_wrapper"):
+            self.attention.graph_wrapper(True, slots, tokens)
+        self.attention.plan(dummy_prefill_batch(tokens, slots, self.attention.kv_cache.page_size))
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self._forward_attention)

@@ -8,6 +8,7 @@ import torch
 
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
 from graphs.metrics import GraphMetrics
+from graphs.prefill import LivePrefillBatch, PrefillGraphRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
@@ -27,20 +28,23 @@ class StepInputs:
 class ModelRunner:
     """Owns the model, its KV cache (through the attention backend) and sampling.
 
-    Decode steps go through the decode graph runner when there is one and its predicate says
+    Each phase goes through its graph runner when there is one and the runner's predicate says
     replay; every other step runs eagerly, and the pass is counted with its reason.
     ``execute`` returns device tensors; reading them (``.tolist()``) is the caller's host sync.
     """
 
     def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend,
                  decode_graphs: DecodeGraphRunner | None = None, metrics: GraphMetrics | None = None,
-                 decode_eager_reason: str = "disabled") -> None:
+                 decode_eager_reason: str = "disabled", prefill_graphs: PrefillGraphRunner | None = None,
+                 prefill_eager_reason: str = "disabled") -> None:
         self.model = model
         self.attention = attention
         self.device = model.device
         self.decode_graphs = decode_graphs
+        self.prefill_graphs = prefill_graphs
         self.metrics = metrics
         self.decode_eager_reason = decode_eager_reason
+        self.prefill_eager_reason = prefill_eager_reason
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         ids: list[int] = []
@@ -78,6 +82,21 @@ class ModelRunner:
             self.metrics.record_pass("decode", None, self.decode_eager_reason)
         return self.model.compute_logits(self.forward(inputs))
 
+    def prefill_hidden(self, inputs: StepInputs, num_requests: int) -> torch.Tensor:
+        """Final hidden states (tokens, hidden) of a prefill step: graph replay when possible.
+
+        A replayed result is a view of the runner's static output: consume it before the next step.
+        """
+        if self.prefill_graphs is not None:
+            live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests)
+            choice = self.prefill_graphs.decide(live)
+            if choice.replays:
+                return self.prefill_graphs.execute(live, choice)
+            self.prefill_graphs.record_eager(choice.reason)
+        elif self.metrics is not None:
+            self.metrics.record_pass("prefill", None, self.prefill_eager_reason)
+        return self.forward(inputs)
+
     def execute(self, batch: ScheduledBatch, seeds: list[int]) -> SampleOutput | None:
         """Run one step; sample a token for each row whose ``sample`` flag is set."""
         inputs = self.prepare(batch)
@@ -85,9 +104,7 @@ class ModelRunner:
         if not batch.is_prefill:
             logits = self.decode_logits(inputs)
         else:
-            if self.metrics is not None:
-                self.metrics.record_pass("prefill", None, "disabled")
-            hidden = self.forward(inputs)
+            hidden = self.prefill_hidden(inputs, batch.size)
             if not sampled:
                 return None
             logits = self.model.compute_logits(hidden[inputs.logits_rows])

@@ -1,0 +1,138 @@
+"""The prefill runner: token buckets times a fixed number of request slots.
+
+Each captured shape holds ``bucket`` tokens and ``slots`` request rows. A live prefill batch of
+``n`` tokens from ``r <= slots`` requests fills tokens ``[0, n)`` and rows ``[0, r)``; rows
+``[r, slots)`` are rewritten on every replay as zero-length sentinels (sequence and query
+length 0, no pages, offsets parked after the real tokens) and tokens ``[n, bucket)`` are padding
+whose KV goes to the dummy page. The graph computes hidden states only; the LM head runs
+eagerly on the live rows that are sampled, so padded rows never reach logits or sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from graphs.backends import GraphBackend
+from graphs.buckets import BucketChoice, choose_bucket
+from graphs.metrics import GraphMetrics
+from graphs.runner import GraphRunner
+
+
+def default_prefill_ladder(ceiling: int, smallest: int = 64) -> list[int]:
+    """About 40 token buckets up to ``ceiling`` (always included).
+
+    Steps of ``smallest`` up to 1024 tokens, then an eighth of the current power of two
+    (128 up to 2048, 256 up to 4096, 512 up to 8192, ...): relative padding stays under ~12%.
+    """
+    if ceiling < 1:
+        raise ValueError(f"prefill ceiling must be >= 1, got {ceiling}")
+    ladder, t = [], min(smallest, ceiling)
+    while t < ceiling:
+        ladder.append(t)
+        power = 1 << (t.bit_length() - 1)
+        t += max(smallest, power // 8)
+    ladder.append(ceiling)
+    return ladder
+
+
+class PrefillStep(Protocol):
+    """What a model offers the prefill runner (implemented on the worker side)."""
+
+    hidden_size: int
+    device: torch.device
+
+    def plan(self, attention: Any, tokens: int, slots: int) -> None:
+        """Host side: plan the live rows of ``attention`` padded to ``slots`` rows and ``tokens`` tokens."""
+
+    def plan_dummy(self, tokens: int, slots: int) -> None:
+        """Host side: plan a capture batch of ``tokens`` tokens in ``slots`` rows."""
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Device side: (tokens,) ids and positions -> (tokens, hidden) final hidden states."""
+
+
+@dataclass
+class LivePrefillBatch:
+    """One prefill step: flat tokens of ``num_requests`` requests and their attention batch."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: Any
+    num_requests: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class PrefillBuffers:
+    """Static inputs and the one max-size hidden-state output of the prefill runner."""
+
+    input_ids: torch.Tensor  # (max_tokens,) int64
+    positions: torch.Tensor  # (max_tokens,) int64
+    hidden: torch.Tensor  # (max_tokens, hidden)
+
+    @classmethod
+    def allocate(cls, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> PrefillBuffers:
+        return cls(torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                   torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                   torch.zeros((max_tokens, hidden), dtype=dtype, device=device))
+
+
+class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
+    """Pads live prefill batches to captured token buckets with fixed request slots."""
+
+    phase = "prefill"
+
+    def __init__(self, step: PrefillStep, backend: GraphBackend, ladder: list[int], slots: int,
+                 max_padding_ratio: float = 2.0, metrics: GraphMetrics | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(backend, ladder, True, metrics)
+        if slots < 1:
+            raise ValueError(f"prefill request slots must be >= 1, got {slots}")
+        if max_padding_ratio < 1:
+            raise ValueError(f"max_padding_ratio must be >= 1, got {max_padding_ratio}")
+        self.step = step
+        self.slots = slots
+        self.max_padding_ratio = max_padding_ratio
+        self.buffers = PrefillBuffers.allocate(self.ladder[-1], step.hidden_size, dtype, step.device)
+
+    def batch_size(self, batch: LivePrefillBatch) -> int:
+        return batch.num_tokens
+
+    def _choose(self, batch: LivePrefillBatch) -> BucketChoice:
+        if batch.num_requests > self.slots:
+            return BucketChoice(None, "too_many_requests")
+        choice = choose_bucket(batch.num_tokens, self.ladder, padding=True)
+        if choice.replays and choice.size > self.max_padding_ratio * batch.num_tokens:
+            return BucketChoice(None, "padding_waste")
+        return choice
+
+    def capture_callable(self, size: int) -> Callable[[], None]:
+        b = self.buffers
+        b.input_ids[:size].zero_()
+        b.positions[:size].zero_()
+        self.step.plan_dummy(size, self.slots)
+        ids, pos, out = b.input_ids[:size], b.positions[:size], b.hidden[:size]
+
+        def forward() -> None:
+            out.copy_(self.step.forward_hidden(ids, pos))
+
+        return forward
+
+    def load(self, batch: LivePrefillBatch, size: int) -> None:
+        n, b = batch.num_tokens, self.buffers
+        b.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        b.positions[:n].copy_(batch.positions, non_blocking=True)
+        if size > n:
+            b.input_ids[n:size].zero_()
+            b.positions[n:size].zero_()
+        self.step.plan(batch.attention, size, self.slots)
+
+    def outputs(self, batch: LivePrefillBatch) -> torch.Tensor:
+        return self.buffers.hidden[: batch.num_tokens]
