@@ -32,12 +32,13 @@ def ensure_checkpoint(preset: str, root: Path) -> Path:
 
 
 def decode_floor_bytes(engine: Engine, batch: int, context: int) -> int:
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    emb = engine.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in engine.worker.model.parameters())
+    emb = engine.worker.model.embed_tokens.weight
     if not engine.arch.tie_word_embeddings:
         weights -= emb.numel() * emb.element_size()  # only B rows of the input embedding are read
         weights += batch * emb.shape[1] * emb.element_size()
-    kv_per_token = engine.kv_cache.shape.bytes_per_page(engine.kv_cache.dtype) // engine.kv_cache.page_size
+    cache = engine.worker.kv_cache
+    kv_per_token = cache.shape.bytes_per_page(cache.dtype) // cache.page_size
     return weights + batch * (context + 1) * kv_per_token
 
 
@@ -60,7 +61,7 @@ def bench_one(path: Path, backend: str, batches: list[int], context: int, repeat
         assert all(s.phase == "decode" and s.batch_size == b for s in list(engine.step_stats)[-repeats:])
         step = statistics.median(times)
         floor = decode_floor_bytes(engine, b, context) / bw
-        rows.append({"preset": path.name, "backend": engine.attention.name, "batch": b, "context": context,
+        rows.append({"preset": path.name, "backend": engine.worker.attention.name, "batch": b, "context": context,
                      "step_ms": step * 1e3, "floor_ms": floor * 1e3, "x_floor": step / floor,
                      "tokens_per_s": b / step})
         for i in ids:

@@ -82,7 +82,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from worker.sampling.params import SamplingParams
 
     engine = Engine(_load_config(args, [f"model.path={args.model}"]))
-    if engine.device.type == "cpu":
+    if engine.worker.device.type == "cpu":
         logging.getLogger("graphfleet").info(
             "no CUDA device: CUDA graphs are off, running eager on CPU (torch %s)", torch.__version__)
     prompts = [f"Request {i}: the fleet of graphs sails at dawn and" for i in range(args.batch)]
@@ -94,7 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"[{out.request_id}] {out.text[:80]!r}")
     n = sum(len(o.token_ids) for o in outputs)
     print(f"{len(outputs)} requests, {n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tokens/s "
-          f"on {engine.device} ({engine.attention.name} attention)")
+          f"on {engine.worker.device} ({engine.worker.attention.name} attention)")
     return 0
 
 

@@ -11,6 +11,7 @@ from worker.model_runner import ModelRunner
 from worker.request import Request
 from worker.sampling.params import SamplingParams
 from worker.scheduler import ScheduledBatch
+from worker.step import build_step_message
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,7 +54,7 @@ class OwnModel:
         for r, n in zip(reqs, num_new):
             r.pages.extend(self.allocator.allocate(r.pages_needed(r.num_computed + n, self.page_size)))
         batch = ScheduledBatch(is_prefill, reqs, [r.num_computed for r in reqs], num_new, [True] * len(reqs))
-        hidden = self.runner.forward(self.runner.prepare(batch))
+        hidden = self.runner.forward(self.runner.prepare(build_step_message(batch, [0] * len(reqs))))
         for r, n in zip(reqs, num_new):
             r.num_computed += n
         return self.model.compute_logits(hidden)

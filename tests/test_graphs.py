@@ -135,7 +135,7 @@ def test_eager_engine_on_cpu_logs_why_graphs_are_off(checkpoint_dir, caplog):
     registry = CollectorRegistry()
     with caplog.at_level("INFO"):
         engine = Engine(load_config(None, [f"model.path={checkpoint_dir('tiny-llama')}"]), registry=registry)
-    assert engine.runner.decode_graphs is None
+    assert engine.worker.runner.decode_graphs is None
     assert "no CUDA device: CUDA graphs are off" in caplog.text
     engine.generate([[5] * 4], SamplingParams(max_tokens=3, ignore_eos=True))
     assert registry.get_sample_value("cuda_graph_fallbacks_total", {"phase": "decode", "reason": "no_cuda"}) == 2

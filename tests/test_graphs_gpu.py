@@ -208,13 +208,13 @@ def test_item_during_capture_leaves_engine_serving_eagerly(checkpoint_dir):
     cfg = load_config(None, [f"model.path={path}", "attention.backend=torch", "graphs.decode.batch_sizes=[1,2,4]",
                              "graphs.decode.max_batch_size=4", "cache.num_pages=256"])
     engine = Engine(cfg, registry=registry)
-    step = _ItemStep(engine.model, engine.attention, breakable=False)
-    runner = DecodeGraphRunner(step, FullGraphBackend(CUDA), [1, 2, 4], True, engine.graph_metrics)
+    step = _ItemStep(engine.worker.model, engine.worker.attention, breakable=False)
+    runner = DecodeGraphRunner(step, FullGraphBackend(CUDA), [1, 2, 4], True, engine.worker.graph_metrics)
     runner.capture_all(progress=False)
     assert sorted(runner.failed) == [1, 2, 4]
     for msg in runner.failed.values():
         assert "item()" in msg and "decode shape" in msg, msg
-    engine.runner.decode_graphs = runner
+    engine.worker.runner.decode_graphs = runner
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     got = engine.generate([[5] * 9, [7] * 4], params)
     eager = Engine(load_config(None, [f"model.path={path}", "attention.backend=torch", "graphs.enabled=false",

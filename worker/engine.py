@@ -1,9 +1,9 @@
-"""The single-process engine: scheduler + model runner + detokenisation, driven step by step.
+"""The engine: scheduler + detokenisation over an executor, driven step by step.
 
-``Engine(config)`` loads the checkpoint named by ``config.model.path``, sizes the paged KV
-cache and serves requests with continuous batching. It is synchronous: ``step`` runs one
-prefill or decode batch; ``generate`` and ``stream`` drive ``step`` until their requests finish
-(other requests in the engine advance too).
+``Engine(config)`` loads the checkpoint named by ``config.model.path`` into a local worker,
+sizes the paged KV cache and serves requests with continuous batching. It is synchronous:
+``step`` runs one prefill or decode batch; ``generate`` and ``stream`` drive ``step`` until
+their requests finish (other requests in the engine advance too).
 """
 
 from __future__ import annotations
@@ -16,27 +16,20 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from deploy.config import Config
-from graphs.backends import create_backend
-from graphs.buckets import default_decode_ladder
-from graphs.decode import DecodeGraphRunner
-from graphs.metrics import GraphMetrics
-from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from worker.attention.factory import create_attention_backend
 from worker.detokenizer import OutputText
-from worker.graph_steps import ModelDecodeStep, ModelPrefillStep
-from worker.kv_cache import KVCacheShape, PageAllocator, PagedKVCache
-from worker.model.kernels import select_kernels
-from worker.model.loader import load_model, resolve_dtype
-from worker.model_runner import ModelRunner
+from worker.kv_cache import PageAllocator
+from worker.model.arch import ModelArch
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
+from worker.step import StepMessage, StepResult, build_step_message
 from worker.tokenizer import Tokenizer
+from worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -74,62 +67,38 @@ class RequestOutput:
     num_preemptions: int
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but CUDA is not available; use model.device=auto or cpu")
-    return torch.device(name)
+class Executor(Protocol):
+    """Runs step messages on the model: a local :class:`Worker` or a tensor-parallel group."""
+
+    arch: ModelArch
+    num_pages: int
+    max_len: int
+
+    def execute(self, msg: StepMessage) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
 
 
 class Engine:
-    """Continuous-batching inference over one model on one device."""
+    """Continuous-batching inference: scheduler and detokenisation over an executor.
 
-    def __init__(self, config: Config, registry: CollectorRegistry | None = None) -> None:
+    Without ``executor`` the engine builds a local :class:`Worker` (one process, one device);
+    ``cluster.group.WorkerGroup`` is the tensor-parallel executor.
+    """
+
+    def __init__(self, config: Config, registry: CollectorRegistry | None = None,
+                 executor: Executor | None = None) -> None:
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
         self.config = config
-        self.device = resolve_device(config.model.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        dtype = resolve_dtype(config.model.dtype, self.device)
         model_dir = Path(config.model.path)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        kernels = select_kernels(self.device, prefer_fused=config.attention.backend != "torch")
-        limit = config.model.max_model_len
-        self.model, self.arch = load_model(model_dir, dtype, self.device, kernels=kernels, max_positions=None)
-        max_len = self.arch.max_position_embeddings
-        if self.arch.sliding_window and self.arch.sliding_window < max_len:
-            log.warning("sliding_window=%d: capping max_model_len to it (sliding attention is not "
-                        "implemented; within the window it equals full attention)", self.arch.sliding_window)
-            max_len = self.arch.sliding_window
-        if limit is not None:
-            if limit > max_len:
-                raise ValueError(f"model.max_model_len={limit} exceeds the checkpoint's limit {max_len}")
-            max_len = limit
+        self.executor = executor if executor is not None else Worker.local(config, registry)
+        self.arch = self.executor.arch
         page_size = config.cache.page_size
-        num_pages = self._num_pages(dtype)
-        max_len = min(max_len, (num_pages - 1) * page_size)
-        self.max_model_len = max_len
-        self.kv_cache = PagedKVCache(
-            KVCacheShape(self.arch.num_layers, num_pages, page_size,
-                         self.model.attention_shape.num_kv_heads, self.arch.head_dim),
-            dtype, self.device)
+        num_pages = self.executor.num_pages
+        self.max_model_len = self.executor.max_len
         sched = config.scheduler
-        max_rows = sched.max_running_requests
-        self.prefill_ceiling = (max(config.graphs.prefill.token_buckets) if config.graphs.prefill.token_buckets
-                                else config.graphs.prefill.resolved_max_tokens(sched.chunked_prefill_size))
-        max_tokens = max(sched.max_num_batched_tokens, max_rows, self.prefill_ceiling)
-        self.attention = create_attention_backend(
-            config.attention.backend, self.model.attention_shape, self.kv_cache, max_rows, max_tokens,
-            -(-max_len // page_size))
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.graph_metrics = GraphMetrics(self.registry)
-        # Prefill first: its largest shape reserves the most pool memory, which decode then reuses.
-        prefill_graphs, prefill_reason = self._build_prefill_graphs()
-        decode_graphs, eager_reason = self._build_decode_graphs()
-        self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, eager_reason,
-                                  prefill_graphs, prefill_reason)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
@@ -140,83 +109,18 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
-        log.info("engine ready: %s attention, %d KV pages of %d tokens, max_model_len %d",
-                 self.attention.name, num_pages, page_size, max_len)
+        log.info("engine ready: %d KV pages of %d tokens, max_model_len %d", num_pages, page_size,
+                 self.max_model_len)
 
-    def _graph_backend_name(self, phase: str) -> tuple[str | None, str]:
-        """(backend ``phase`` captures with, "") or (None, the reason its passes run eagerly)."""
-        g = self.config.graphs
-        name = "debug" if g.debug else getattr(g, phase).backend
-        if not g.enabled or g.capture not in ("both", phase):
-            log.info("%s CUDA graphs off by config (graphs.enabled=%s, graphs.capture=%s)", phase, g.enabled, g.capture)
-            return None, "disabled"
-        if name == "eager":
-            log.info("%s runs eagerly (graphs.%s.backend=eager)", phase, phase)
-            return None, "disabled"
-        if self.device.type != "cuda" and name != "debug":
-            log.info("no CUDA device: CUDA graphs are off and %s runs eagerly on %s "
-                     "(graphs.%s.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
-                     phase, self.device, phase, name)
-            return None, "no_cuda"
-        if name == "tc_piecewise":
-            raise ValueError("graphs.prefill.backend=tc_piecewise (the torch.compile comparator) is not built yet; "
-                             "use breakable, full, eager or debug")
-        return name, ""
+    @property
+    def worker(self) -> Worker:
+        """The local worker (only for an engine built without an executor)."""
+        if not isinstance(self.executor, Worker):
+            raise AttributeError("this engine runs on a worker group, not a local worker")
+        return self.executor
 
-    def _build_prefill_graphs(self) -> tuple[PrefillGraphRunner | None, str]:
-        """The prefill graph runner the config asks for, captured now; or None and why not."""
-        name, reason = self._graph_backend_name("prefill")
-        if name is None:
-            return None, reason
-        p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
-        ladder = list(p.token_buckets) if p.token_buckets else default_prefill_ladder(self.prefill_ceiling)
-        if name == "full":
-            log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
-                        "with fixed request slots; breakable is the production default")
-        step = ModelPrefillStep(self.model, self.attention, breakable=name != "full")
-        runner = PrefillGraphRunner(step, create_backend(name, self.device), ladder,
-                                    p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
-                                    self.model.dtype)
-        runner.capture_all(timeout_s=self.config.graphs.capture_timeout_s)
-        return runner, "disabled"
-
-    def _build_decode_graphs(self) -> tuple[DecodeGraphRunner | None, str]:
-        """The decode graph runner the config asks for, captured now; or None and why not."""
-        g = self.config.graphs
-        name, reason = self._graph_backend_name("decode")
-        if name is None:
-            return None, reason
-        max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
-        ladder = list(g.decode.batch_sizes) if g.decode.batch_sizes else default_decode_ladder(max_bs)
-        step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name, self.device), ladder, g.decode.padding,
-                                   self.graph_metrics)
-        runner.capture_all(timeout_s=g.capture_timeout_s)
-        return runner, "disabled"
-
-    def _num_pages(self, dtype: torch.dtype) -> int:
-        cache = self.config.cache
-        if cache.num_pages is not None:
-            return cache.num_pages
-        if self.device.type != "cuda":
-            return cache.cpu_num_pages
-        shape = KVCacheShape(self.arch.num_layers, 1, cache.page_size,
-                             self.model.attention_shape.num_kv_heads, self.arch.head_dim)
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserve = total * (1 - cache.gpu_memory_fraction) + self._activation_bytes()
-        pages = int((free - reserve) // shape.bytes_per_page(dtype))
-        if pages < 2:
-            raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
-                               "lower scheduler.max_num_batched_tokens or raise cache.gpu_memory_fraction")
-        return pages
-
-    def _activation_bytes(self) -> int:
-        """Activation and logits peak of the largest step, estimated from the shapes."""
-        a, s = self.arch, self.config.scheduler
-        elem = self.model.dtype.itemsize
-        per_token = (4 * a.hidden_size + 2 * a.intermediate_size + a.q_size + 2 * a.kv_size) * elem
-        logits = s.max_running_requests * a.vocab_size * 4 * 3
-        return int(2 * s.max_num_batched_tokens * per_token + logits + 512 * 2**20)
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # ----- requests -----
 
@@ -275,13 +179,14 @@ class Engine:
         if batch is None:
             return []
         start = time.perf_counter()
-        out = self.runner.execute(batch, [r.seed for r, s in zip(batch.requests, batch.sample) if s])
+        msg = build_step_message(batch, [r.seed for r, s in zip(batch.requests, batch.sample) if s])
+        result = self.executor.execute(msg)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
         events: list[RequestEvent] = []
-        if out is not None:
-            tokens = out.token_ids.tolist()
-            logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
+        if result.token_ids:
+            tokens = result.token_ids
+            logprobs = result.logprobs if result.logprobs is not None else [None] * len(tokens)
             sampled = [r for r, s in zip(batch.requests, batch.sample) if s]
             for req, tok, lp in zip(sampled, tokens, logprobs):
                 events.append(self._append_token(req, tok, lp))

@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into tensors, runs the model and samples: one step on one rank."""
+"""Runs one step message on one rank: inputs to the device, forward (graph or eager), sample."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from graphs.prefill import LivePrefillBatch, PrefillGraphRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
-from worker.scheduler import ScheduledBatch
+from worker.step import StepMessage
 
 
 @dataclass
 class StepInputs:
-    """Host-built inputs of one step (tokens laid out request after request)."""
+    """Device inputs of one step."""
 
-    input_ids: torch.Tensor  # (tokens,) int64 on device
-    positions: torch.Tensor  # (tokens,) int64 on device
+    input_ids: torch.Tensor  # (tokens,) int64
+    positions: torch.Tensor  # (tokens,) int64
     attention: AttentionBatch
     logits_rows: torch.Tensor  # (sampled rows,) int64 indices into the token dim
 
@@ -46,24 +46,13 @@ class ModelRunner:
         self.decode_eager_reason = decode_eager_reason
         self.prefill_eager_reason = prefill_eager_reason
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        for req, start, n, sample_row in zip(batch.requests, batch.start, batch.num_new, batch.sample):
-            ids.extend(req.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            if sample_row:
-                rows.append(len(ids) - 1)
-        packed = torch.tensor([ids, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        seq_lens = [s + n for s, n in zip(batch.start, batch.num_new)]
-        attn = AttentionBatch(batch.is_prefill, seq_lens, list(batch.num_new),
-                              [r.pages for r in batch.requests], len(ids))
-        return StepInputs(packed[0], packed[1], attn,
-                          torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
+    def prepare(self, msg: StepMessage) -> StepInputs:
+        packed = torch.tensor([msg.input_ids, msg.positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor(msg.logits_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return StepInputs(packed[0], packed[1], msg.attention_batch(), rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Final hidden states (tokens, hidden) for ``inputs``; writes the step's KV."""
+        """Final hidden states (tokens, hidden) for ``inputs``, eagerly; writes the step's KV."""
         self.attention.plan(inputs.attention)
         return self.model(inputs.input_ids, inputs.positions, self.attention)
 
@@ -97,17 +86,15 @@ class ModelRunner:
             self.metrics.record_pass("prefill", None, self.prefill_eager_reason)
         return self.forward(inputs)
 
-    def execute(self, batch: ScheduledBatch, seeds: list[int]) -> SampleOutput | None:
-        """Run one step; sample a token for each row whose ``sample`` flag is set."""
-        inputs = self.prepare(batch)
-        sampled = [r for r, s in zip(batch.requests, batch.sample) if s]
-        if not batch.is_prefill:
+    def execute(self, msg: StepMessage) -> tuple[SampleOutput | None, torch.Tensor | None]:
+        """Run one step; returns the sampled tokens (None if no row samples) and the logits used."""
+        inputs = self.prepare(msg)
+        if not msg.is_prefill:
             logits = self.decode_logits(inputs)
         else:
-            hidden = self.prefill_hidden(inputs, batch.size)
-            if not sampled:
-                return None
+            hidden = self.prefill_hidden(inputs, msg.num_requests)
+            if not msg.logits_rows:
+                return None, None
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        sb = SamplingBatch.build([r.params for r in sampled], seeds,
-                                 [len(r.output_ids) for r in sampled], self.device)
-        return sample(logits, sb)
+        sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device)
+        return sample(logits, sb), logits

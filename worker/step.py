@@ -1,0 +1,67 @@
+"""The step message: one scheduled batch as plain host data, sent to every rank.
+
+A message is a few lists of ints (token ids, positions, page tables) plus the sampling
+parameters of the sampled rows: small enough to pickle once per step and hand to every
+tensor-parallel rank through Ray's object store, and independent of the scheduler's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.attention.base import AttentionBatch
+from worker.sampling.params import SamplingParams
+from worker.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepMessage:
+    """One prefill or decode step: tokens laid out request after request."""
+
+    is_prefill: bool
+    input_ids: list[int]
+    positions: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    page_tables: list[list[int]]
+    logits_rows: list[int]
+    params: list[SamplingParams]
+    seeds: list[int]
+    steps: list[int]
+    return_logits: bool = False
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    def attention_batch(self) -> AttentionBatch:
+        return AttentionBatch(self.is_prefill, list(self.seq_lens), list(self.query_lens),
+                              [list(p) for p in self.page_tables], len(self.input_ids))
+
+
+@dataclass
+class StepResult:
+    """What a step returns to the scheduler: sampled tokens (and logits when asked for)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    logits: object = None  # (sampled rows, vocab) float32 CPU tensor when return_logits
+
+
+def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool = False) -> StepMessage:
+    """Flatten a scheduled batch; ``seeds`` are those of the rows that sample, in order."""
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    params: list[SamplingParams] = []
+    steps: list[int] = []
+    for req, start, n, sample_row in zip(batch.requests, batch.start, batch.num_new, batch.sample):
+        ids.extend(req.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        if sample_row:
+            rows.append(len(ids) - 1)
+            params.append(req.params)
+            steps.append(len(req.output_ids))
+    return StepMessage(batch.is_prefill, ids, positions, [s + n for s, n in zip(batch.start, batch.num_new)],
+                       list(batch.num_new), [list(r.pages) for r in batch.requests], rows, params, list(seeds),
+                       steps, return_logits)

@@ -1,0 +1,217 @@
+"""One rank of a model: its weight shard, KV cache, attention backend, graph runners, sampler.
+
+Life cycle (a tensor-parallel group runs each stage on every rank before the next):
+``Worker(config, tp)`` loads the shard -> ``available_pages()`` -> ``allocate(num_pages,
+max_model_len)`` with the group's minimum -> ``capture()`` -> ``execute(msg)`` per step ->
+``shutdown()`` (graphs released before anything they point at). ``Worker.local`` runs all
+stages for a single process.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from deploy.config import Config
+from graphs.backends import create_backend
+from graphs.buckets import default_decode_ladder
+from graphs.decode import DecodeGraphRunner
+from graphs.metrics import GraphMetrics
+from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
+from worker.attention.factory import create_attention_backend
+from worker.graph_steps import ModelDecodeStep, ModelPrefillStep
+from worker.kv_cache import KVCacheShape, PagedKVCache
+from worker.model.arch import ModelArch
+from worker.model.kernels import select_kernels
+from worker.model.loader import load_model, resolve_dtype
+from worker.model.parallel import SINGLE, TensorParallel
+from worker.model_runner import ModelRunner
+from worker.step import StepMessage, StepResult
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is the current CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("model.device=cuda but CUDA is not available; use model.device=auto or cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def checkpoint_max_len(arch: ModelArch, config: Config) -> int:
+    """The longest sequence the checkpoint and ``model.max_model_len`` allow (before cache size)."""
+    max_len = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < max_len:
+        log.warning("sliding_window=%d: capping max_model_len to it (sliding attention is not "
+                    "implemented; within the window it equals full attention)", arch.sliding_window)
+        max_len = arch.sliding_window
+    limit = config.model.max_model_len
+    if limit is not None:
+        if limit > max_len:
+            raise ValueError(f"model.max_model_len={limit} exceeds the checkpoint's limit {max_len}")
+        max_len = limit
+    return max_len
+
+
+class Worker:
+    """One tensor-parallel rank (or the whole model when ``tp.size == 1``)."""
+
+    def __init__(self, config: Config, tp: TensorParallel = SINGLE, registry: CollectorRegistry | None = None,
+                 metric_labels: dict[str, str] | None = None) -> None:
+        if not config.model.path:
+            raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
+        self.config, self.tp = config, tp
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        kernels = select_kernels(self.device, prefer_fused=config.attention.backend != "torch")
+        self.model, self.arch = load_model(Path(config.model.path), self.dtype, self.device, tp, kernels)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.graph_metrics = GraphMetrics(self.registry, metric_labels)
+        sched = config.scheduler
+        p = config.graphs.prefill
+        self.prefill_ceiling = max(p.token_buckets) if p.token_buckets else p.resolved_max_tokens(
+            sched.chunked_prefill_size)
+        self.kv_cache: PagedKVCache | None = None
+        self.runner: ModelRunner | None = None
+
+    @classmethod
+    def local(cls, config: Config, registry: CollectorRegistry | None = None) -> Worker:
+        """A single-process worker taken through every stage."""
+        worker = cls(config, registry=registry)
+        pages = worker.available_pages()
+        worker.allocate(pages, worker.max_model_len(pages))
+        worker.capture()
+        return worker
+
+    # ----- sizing -----
+
+    def max_model_len(self, num_pages: int) -> int:
+        """The longest sequence the checkpoint, the config and ``num_pages`` of KV cache allow."""
+        return min(checkpoint_max_len(self.arch, self.config), (num_pages - 1) * self.config.cache.page_size)
+
+    def available_pages(self) -> int:
+        """KV pages this rank can hold: ``cache.num_pages``, or sized from free GPU memory."""
+        cache = self.config.cache
+        if cache.num_pages is not None:
+            return cache.num_pages
+        if self.device.type != "cuda":
+            return cache.cpu_num_pages
+        shape = KVCacheShape(self.arch.num_layers, 1, cache.page_size,
+                             self.model.attention_shape.num_kv_heads, self.arch.head_dim)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = total * (1 - cache.gpu_memory_fraction) + self._activation_bytes()
+        pages = int((free - reserve) // shape.bytes_per_page(self.dtype))
+        if pages < 2:
+            raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
+                               "lower scheduler.max_num_batched_tokens or raise cache.gpu_memory_fraction")
+        return pages
+
+    def _activation_bytes(self) -> int:
+        """Activation, logits and graph-buffer peak of the largest step, estimated from the shapes."""
+        a, s = self.arch, self.config.scheduler
+        per_token = (4 * a.hidden_size + 2 * a.intermediate_size + a.q_size + 2 * a.kv_size) * self.dtype.itemsize
+        tokens = max(s.max_num_batched_tokens, self.prefill_ceiling)
+        logits = s.max_running_requests * a.vocab_size * 4 * 3
+        return int(2 * tokens * per_token + logits + 512 * 2**20)
+
+    def allocate(self, num_pages: int, max_model_len: int) -> None:
+        """Allocate the KV cache and the attention backend's buffers (same sizes on every rank)."""
+        cache, sched = self.config.cache, self.config.scheduler
+        shape = self.model.attention_shape
+        self.num_pages, self.max_len = num_pages, max_model_len
+        self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, cache.page_size,
+                                                  shape.num_kv_heads, self.arch.head_dim), self.dtype, self.device)
+        max_rows = sched.max_running_requests
+        max_tokens = max(sched.max_num_batched_tokens, max_rows, self.prefill_ceiling)
+        self.attention = create_attention_backend(self.config.attention.backend, shape, self.kv_cache, max_rows,
+                                                  max_tokens, -(-max_model_len // cache.page_size))
+
+    # ----- graphs -----
+
+    def capture(self) -> None:
+        """Build the graph runners the config asks for and capture them (prefill first)."""
+        prefill_graphs, prefill_reason = self._build_prefill_graphs()
+        decode_graphs, decode_reason = self._build_decode_graphs()
+        self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, decode_reason,
+                                  prefill_graphs, prefill_reason)
+
+    def _graph_backend_name(self, phase: str) -> tuple[str | None, str]:
+        """(backend ``phase`` captures with, "") or (None, the reason its passes run eagerly)."""
+        g = self.config.graphs
+        name = "debug" if g.debug else getattr(g, phase).backend
+        if not g.enabled or g.capture not in ("both", phase):
+            log.info("%s CUDA graphs off by config (graphs.enabled=%s, graphs.capture=%s)", phase, g.enabled, g.capture)
+            return None, "disabled"
+        if name == "eager":
+            log.info("%s runs eagerly (graphs.%s.backend=eager)", phase, phase)
+            return None, "disabled"
+        if self.device.type != "cuda" and name != "debug":
+            log.info("no CUDA device: CUDA graphs are off and %s runs eagerly on %s "
+                     "(graphs.%s.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
+                     phase, self.device, phase, name)
+            return None, "no_cuda"
+        if name == "tc_piecewise":
+            raise ValueError("graphs.prefill.backend=tc_piecewise (the torch.compile comparator) is not built yet; "
+                             "use breakable, full, eager or debug")
+        return name, ""
+
+    def _barrier(self):
+        if self.tp.size == 1:
+            return None
+        return lambda: torch.distributed.barrier(group=self.tp.group)
+
+    def _build_prefill_graphs(self) -> tuple[PrefillGraphRunner | None, str]:
+        name, reason = self._graph_backend_name("prefill")
+        if name is None:
+            return None, reason
+        p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
+        ladder = list(p.token_buckets) if p.token_buckets else default_prefill_ladder(self.prefill_ceiling)
+        if name == "full":
+            log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
+                        "with fixed request slots; breakable is the production default")
+        step = ModelPrefillStep(self.model, self.attention, breakable=name != "full")
+        runner = PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()), ladder,
+                                    p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
+                                    self.dtype)
+        runner.capture_all(progress=self.tp.rank == 0, timeout_s=self.config.graphs.capture_timeout_s)
+        return runner, "disabled"
+
+    def _build_decode_graphs(self) -> tuple[DecodeGraphRunner | None, str]:
+        name, reason = self._graph_backend_name("decode")
+        if name is None:
+            return None, reason
+        g = self.config.graphs
+        max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
+        ladder = list(g.decode.batch_sizes) if g.decode.batch_sizes else default_decode_ladder(max_bs)
+        step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
+        runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()), ladder,
+                                   g.decode.padding, self.graph_metrics)
+        runner.capture_all(progress=self.tp.rank == 0, timeout_s=g.capture_timeout_s)
+        return runner, "disabled"
+
+    # ----- steps -----
+
+    def execute(self, msg: StepMessage) -> StepResult:
+        """Run one step and read its tokens back (the step's one host synchronisation)."""
+        out, logits = self.runner.execute(msg)
+        if out is None:
+            return StepResult()
+        result = StepResult(out.token_ids.tolist(), out.logprobs.tolist() if out.logprobs is not None else None)
+        if msg.return_logits:
+            result.logits = logits.float().cpu()
+        return result
+
+    def shutdown(self) -> None:
+        """Release graphs before the buffers and communicators they point at."""
+        if self.runner is not None:
+            for graphs in (self.runner.decode_graphs, self.runner.prefill_graphs):
+                if graphs is not None:
+                    graphs.release()
+        self.runner = None
