@@ -1,20 +1,27 @@
-"""Traffic profiles: histograms of the live batch shapes a worker actually ran.
+"""The measured inputs of the ladder planner (:mod:`graphs.planner`): traffic, step costs, memory.
 
-A :class:`BatchProfile` counts live decode batch sizes and live prefill ``(tokens, requests)``
+Traffic: a :class:`BatchProfile` counts live decode batch sizes and live prefill ``(tokens, requests)``
 pairs, whichever path (replay or eager) ran them; :mod:`graphs.planner` turns it into bucket
 ladders. It is plain dict counters, cheap enough to record on every step, and saves as JSON::
 
     {"version": 1, "decode": {"3": 120, "37": 80}, "prefill": {"512,2": 10}}
 
 Decode keys are batch sizes; prefill keys are ``"tokens,requests"``; values are step counts.
+
+Step costs: :class:`StepCosts`, seconds of an eager forward and of a replay as functions of size.
+Memory: :class:`MemoryModel`, the bytes a ladder keeps resident in the shared graph pool.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +159,104 @@ class BatchProfile:
 
     def __repr__(self) -> str:
         return f"BatchProfile(decode_steps={self.decode_steps}, prefill_steps={self.prefill_steps})"
+
+
+@dataclass(frozen=True)
+class PiecewiseLinear:
+    """Seconds as a piecewise-linear function of size through measured points.
+
+    Interpolates between measured sizes, extrapolates with the slope of the nearest end segment
+    and never returns less than 0 s. One point gives a constant.
+    """
+
+    sizes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[float, float]]) -> PiecewiseLinear:
+        """Fit (size, seconds) samples; repeated sizes are averaged."""
+        by_size: dict[float, list[float]] = defaultdict(list)
+        for size, seconds in samples:
+            if not size > 0 or not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"cost sample needs size > 0 and finite seconds >= 0, got ({size}, {seconds})")
+            by_size[size].append(seconds)
+        if not by_size:
+            raise ValueError("a cost model needs at least one (size, seconds) sample")
+        xs = sorted(by_size)
+        return cls(tuple(xs), tuple(sum(by_size[x]) / len(by_size[x]) for x in xs))
+
+    def __call__(self, size: float) -> float:
+        xs, ys = self.sizes, self.seconds
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_left(xs, size), 1), len(xs) - 1)
+        return max(0.0, ys[i - 1] + (size - xs[i - 1]) * (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """One phase's step costs in seconds per forward (wall time of the step on the device).
+
+    ``eager(size)``: an eager forward of ``size`` live rows (decode) or tokens (prefill).
+    ``replay(bucket)``: loading and replaying the captured shape ``bucket``, i.e. at padded size.
+    Any callables work; :meth:`fit` builds piecewise-linear ones from measurements.
+    """
+
+    eager: Callable[[int], float]
+    replay: Callable[[int], float]
+
+    @classmethod
+    def fit(cls, eager: Iterable[tuple[int, float]], replay: Iterable[tuple[int, float]]) -> StepCosts:
+        """From measured (size, seconds) pairs of eager forwards and of replays."""
+        return cls(PiecewiseLinear.fit(eager), PiecewiseLinear.fit(replay))
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes a ladder of captured shapes keeps resident in the shared graph pool.
+
+    ``shape_bytes(size)`` interpolates linearly between two shapes each captured alone into an
+    empty pool (a small one and the largest). Every shape of the process shares one pool and
+    capture runs largest first, so the scratch of smaller graphs reuses blocks the largest one
+    already reserved; each further graph keeps only its exec and small private allocations,
+    ``per_graph_overhead_bytes``. Hence ``ladder_bytes = shape_bytes(max) + overhead * (len - 1)``
+    (graphs/DESIGN.md: 35 decode shapes measured at 1.02x the largest alone). Swap the model by
+    subclassing and overriding :meth:`ladder_bytes`; the planner is exact for any model that
+    depends only on the largest kept bucket and the count, non-decreasing in the count.
+    (:func:`graphs.planner.joint_bytes` uses ``shape_bytes`` and ``per_graph_overhead_bytes``.)
+    """
+
+    small_size: int
+    small_bytes: int
+    large_size: int
+    large_bytes: int
+    per_graph_overhead_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.small_size <= self.large_size:
+            raise ValueError(f"need 1 <= small_size <= large_size, got {self.small_size}, {self.large_size}")
+        if min(self.small_bytes, self.large_bytes, self.per_graph_overhead_bytes) < 0:
+            raise ValueError("memory measurements must be >= 0 bytes")
+
+    @classmethod
+    def from_ladder_capture(cls, resident: Mapping[int, int], small: tuple[int, int]) -> MemoryModel:
+        """From one ladder captured largest first into a fresh pool (``{size: CapturedShape.resident_bytes}``:
+        the largest's growth is its bytes alone, the median growth of the others the per-graph
+        overhead) and ``small = (size, bytes)`` of a small shape captured alone."""
+        largest = max(resident)
+        rest = sorted(v for k, v in resident.items() if k != largest)
+        overhead = rest[len(rest) // 2] if rest else 0
+        return cls(small[0], small[1], largest, resident[largest], max(0, overhead))
+
+    def shape_bytes(self, size: int) -> int:
+        """Bytes of one shape captured alone (linear through the two measurements, >= 0)."""
+        if self.large_size == self.small_size:
+            return self.large_bytes
+        rise = (self.large_bytes - self.small_bytes) * (size - self.small_size)
+        return max(0, self.small_bytes - (-rise // (self.large_size - self.small_size)))  # exact ceiling
+
+    def ladder_bytes(self, ladder: Sequence[int]) -> int:
+        """Modelled resident bytes of ``ladder`` captured into one pool (0 for an empty ladder)."""
+        if not ladder:
+            return 0
+        return self.shape_bytes(max(ladder)) + self.per_graph_overhead_bytes * (len(ladder) - 1)

@@ -16,18 +16,17 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
 from deploy.config import Config
 from worker.detokenizer import OutputText
+from worker.executor import Executor, ExecutorFailed, ExecutorUnavailable
 from worker.kv_cache import PageAllocator
-from worker.model.arch import ModelArch
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
-from worker.step import StepMessage, StepResult, build_step_message
+from worker.step import build_step_message
 from worker.tokenizer import Tokenizer
 from worker.worker import Worker
 
@@ -67,18 +66,6 @@ class RequestOutput:
     num_preemptions: int
 
 
-class Executor(Protocol):
-    """Runs step messages on the model: a local :class:`Worker` or a tensor-parallel group."""
-
-    arch: ModelArch
-    num_pages: int
-    max_len: int
-
-    def execute(self, msg: StepMessage) -> StepResult: ...
-
-    def shutdown(self) -> None: ...
-
-
 class Engine:
     """Continuous-batching inference: scheduler and detokenisation over an executor.
 
@@ -109,6 +96,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
+        self.errors: dict[str, str] = {}
         log.info("engine ready: %d KV pages of %d tokens, max_model_len %d", num_pages, page_size,
                  self.max_model_len)
 
@@ -180,7 +168,16 @@ class Engine:
             return []
         start = time.perf_counter()
         msg = build_step_message(batch, [r.seed for r, s in zip(batch.requests, batch.sample) if s])
-        result = self.executor.execute(msg)
+        try:
+            result = self.executor.execute(msg)
+        except ExecutorFailed as e:
+            # The KV of every running request is gone with the failed executor: recompute them.
+            n = self.scheduler.preempt_all()
+            log.error("step failed (%s); %d running requests re-queued for recomputation", e, n)
+            return []
+        except ExecutorUnavailable as e:
+            log.error("no executor (%s); ending %d requests with an error", e, len(self.requests))
+            return self._fail_all(str(e))
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
         events: list[RequestEvent] = []
@@ -214,6 +211,14 @@ class Engine:
             delta += text.flush()
         return RequestEvent(req.request_id, [token], delta, reason is not None, reason,
                             [logprob] if p.logprobs else None)
+
+    def _fail_all(self, reason: str) -> list[RequestEvent]:
+        events = []
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(req, "error")
+            self.errors[req.request_id] = reason
+            events.append(RequestEvent(req.request_id, [], self._texts[req.request_id].flush(), True, "error"))
+        return events
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]

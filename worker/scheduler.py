@@ -140,6 +140,13 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
+    def preempt_all(self) -> int:
+        """Send every running request back to waiting (their KV is lost); returns how many."""
+        victims = sorted(self.running, key=lambda r: r.arrival, reverse=True)
+        for req in victims:  # youngest first, so the oldest ends at the front of the queue
+            self._preempt(req)
+        return len(victims)
+
     def finish(self, req: Request, reason: str) -> None:
         """Mark ``req`` finished with ``reason`` and return its pages (idempotent)."""
         if req.status is Status.FINISHED:

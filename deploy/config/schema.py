@@ -289,15 +289,24 @@ class ClusterConfig(Section):
     mode: "colocated" = prefill and decode on the same workers, "disaggregated" = separate pools.
     tp_size: tensor-parallel degree.
     step_timeout_s: a worker step slower than this is treated as a failure (> 0).
+    start_timeout_s: bound on starting a group (placement, rendezvous, load, capture) (> 0).
+    gpus_per_rank: GPUs each rank actor reserves on a GPU cluster (0 < x <= 1; fractions let
+        several groups share one GPU for testing).
+    restart: start a fresh group in the background when one dies.
     """
 
     mode: ClusterMode = "colocated"
     tp_size: int = 1
     step_timeout_s: float = 60.0
+    start_timeout_s: float = 900.0
+    gpus_per_rank: float = 1.0
+    restart: bool = True
 
     def __post_init__(self) -> None:
         _check_min(self.tp_size, "tp_size", 1)
         _check(self.step_timeout_s > 0, "step_timeout_s", f"must be > 0, got {self.step_timeout_s!r}")
+        _check(self.start_timeout_s > 0, "start_timeout_s", f"must be > 0, got {self.start_timeout_s!r}")
+        _check(0 < self.gpus_per_rank <= 1, "gpus_per_rank", f"must be in (0, 1], got {self.gpus_per_rank!r}")
 
 
 @dataclass(frozen=True)

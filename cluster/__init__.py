@@ -1,0 +1,1 @@
+"""Ray actors hosting tensor-parallel worker groups (see cluster/DESIGN.md)."""

@@ -1,0 +1,223 @@
+"""A tensor-parallel worker group: ``tp_size`` rank actors in one placement group.
+
+The group is the engine's executor (``arch``, ``num_pages``, ``max_len``, ``execute``,
+``shutdown``). Its leader is the driver-side object: each step's message is put in Ray's object
+store once and every rank receives the same reference, runs the same step (same predicate, same
+graph replay or eager path, same seeded sampling) and rank 0 returns the tokens. A rank that
+dies or a step slower than ``cluster.step_timeout_s`` fails the whole incarnation: its ranks are
+killed, its placement group removed, and a fresh incarnation starts in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.rank import GroupFailed, GroupState, GroupUnavailable, RankInfo
+from cluster.rank_actor import RankActor
+from deploy.config import Config
+from worker.step import StepMessage, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class _Incarnation:
+    """One started set of rank actors and their placement group."""
+
+    def __init__(self, group_id: str, generation: int, config: Config, role: str) -> None:
+        self.group_id, self.generation, self.config, self.role = group_id, generation, config, role
+        self.actors: list = []
+        self.pg = None
+
+    def start(self, on_state, fixed_pages: int | None = None) -> tuple[object, int, int]:
+        c = self.config.cluster
+        tp, deadline = c.tp_size, time.monotonic() + c.start_timeout_s
+        gpus = c.gpus_per_rank if _use_gpus(self.config) else 0
+        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
+                                  name=f"graphfleet-{self.group_id}-{self.generation}")
+        try:
+            ray.get(self.pg.ready(), timeout=_left(deadline))
+        except GetTimeoutError:
+            raise GroupUnavailable(f"placement group for {tp} ranks x {bundle} not ready after "
+                                   f"{c.start_timeout_s:.0f}s: the cluster lacks those resources") from None
+        actor_cls = ray.remote(RankActor)
+        config_dict = self.config.to_dict()
+        for rank in range(tp):
+            info = RankInfo(self.group_id, self.generation, rank, tp, self.role)
+            self.actors.append(actor_cls.options(
+                num_cpus=1, num_gpus=gpus, max_restarts=0, max_task_retries=0,
+                name=f"graphfleet-{info.group_id}-{info.generation}-rank{rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank,
+                    placement_group_capture_child_tasks=True),
+            ).remote(info, config_dict))
+        init = ray.get(self.actors[0].rendezvous_address.remote(), timeout=_left(deadline))
+        backend = "nccl" if gpus else "gloo"
+        # Every rank joins at once: a sequential join would deadlock inside init_process_group.
+        self._all("init_distributed", deadline, init, backend, c.step_timeout_s)
+        pages = min(self._all("load", deadline))
+        if fixed_pages is not None:  # a restart must hold exactly the pages the engine books against
+            if pages < fixed_pages:
+                raise GroupUnavailable(f"restarted ranks hold {pages} KV pages, the engine needs {fixed_pages}")
+            pages = fixed_pages
+        max_len = min(self._all("max_model_len", deadline, pages))
+        self._all("allocate", deadline, pages, max_len)
+        on_state(GroupState.CAPTURING)
+        self._all("capture", deadline)
+        arch = ray.get(self.actors[0].arch.remote(), timeout=_left(deadline))
+        return arch, pages, max_len
+
+    def _all(self, method: str, deadline: float, *args):
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=_left(deadline))
+
+    def execute(self, msg: StepMessage, timeout_s: float) -> StepResult:
+        ref = ray.put(msg)
+        results = ray.get([a.execute.remote(ref) for a in self.actors], timeout=timeout_s)
+        return results[0]
+
+    def kill(self, graceful_s: float = 5.0) -> None:
+        """Release graphs and the process group where the ranks still answer, then kill them."""
+        if self.actors:
+            refs = [a.shutdown.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+def _use_gpus(config: Config) -> bool:
+    if config.model.device == "cpu":
+        return False
+    has = ray.cluster_resources().get("GPU", 0) >= config.cluster.tp_size * config.cluster.gpus_per_rank
+    if config.model.device == "cuda" and not has:
+        raise GroupUnavailable(f"model.device=cuda but the Ray cluster has "
+                               f"{ray.cluster_resources().get('GPU', 0)} GPUs for tp_size={config.cluster.tp_size}")
+    return has
+
+
+class WorkerGroup:
+    """A self-healing tensor-parallel group of rank actors (the engine's executor)."""
+
+    def __init__(self, config: Config, group_id: str = "g0", role: str = "colocated") -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("ray is not initialized: call ray.init(...) (tests: _node_ip_address='127.0.0.1')")
+        self.config, self.group_id, self.role = config, group_id, role
+        self._cond = threading.Condition()
+        self._state = GroupState.STARTING
+        self._generation = 0
+        self._incarnation: _Incarnation | None = None
+        self._closed = False
+        self.restarts = 0
+        self.last_error: str | None = None
+        self._start()
+        if self._state is not GroupState.READY:
+            raise GroupUnavailable(f"group {group_id} failed to start: {self.last_error}")
+
+    # ----- lifecycle -----
+
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
+    def health(self) -> dict:
+        return {"group": self.group_id, "role": self.role, "state": self._state.value,
+                "generation": self._generation, "restarts": self.restarts, "last_error": self.last_error}
+
+    def _set_state(self, state: GroupState) -> None:
+        with self._cond:
+            self._state = state
+            self._cond.notify_all()
+
+    def _start(self) -> None:
+        inc = _Incarnation(self.group_id, self._generation, self.config, self.role)
+        self._set_state(GroupState.STARTING)
+        try:
+            fixed = self.num_pages if self._generation > 0 else None
+            self.arch, self.num_pages, self.max_len = inc.start(self._set_state, fixed)
+        except (RayError, GroupUnavailable, RuntimeError) as e:
+            self.last_error = f"start of generation {self._generation} failed: {e}"
+            log.error("group %s: %s", self.group_id, self.last_error)
+            inc.kill()
+            self._set_state(GroupState.DEAD)
+            return
+        with self._cond:
+            if self._closed:
+                inc.kill()
+                return
+            self._incarnation = inc
+        self._set_state(GroupState.READY)
+        log.info("group %s generation %d ready: %d ranks, %d KV pages", self.group_id, self._generation,
+                 self.config.cluster.tp_size, self.num_pages)
+
+    def _fail(self, reason: str) -> None:
+        """Kill the current incarnation and (if configured) start a fresh one in the background."""
+        self.last_error = reason
+        log.error("group %s generation %d dead: %s", self.group_id, self._generation, reason)
+        with self._cond:
+            inc, self._incarnation = self._incarnation, None
+        self._set_state(GroupState.DEAD)
+        if inc is not None:
+            inc.kill()
+        if self.config.cluster.restart and not self._closed:
+            self._generation += 1
+            self.restarts += 1
+            threading.Thread(target=self._start, name=f"restart-{self.group_id}", daemon=True).start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the group is ready (True) or ``timeout_s`` passes / it stays dead (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state is not GroupState.READY:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._cond.wait(min(left, 1.0))
+                if self._state is GroupState.DEAD and not self.config.cluster.restart:
+                    return False
+            return True
+
+    # ----- the executor interface -----
+
+    def execute(self, msg: StepMessage) -> StepResult:
+        """Run one step on every rank; raises GroupFailed (group now dead) or GroupUnavailable."""
+        if not self.wait_ready(self.config.cluster.start_timeout_s):
+            raise GroupUnavailable(f"group {self.group_id} is {self._state.value}: {self.last_error}")
+        inc = self._incarnation
+        try:
+            return inc.execute(msg, self.config.cluster.step_timeout_s)
+        except GetTimeoutError:
+            reason = f"step exceeded cluster.step_timeout_s={self.config.cluster.step_timeout_s}s"
+        except RayActorError as e:
+            reason = f"a rank died: {type(e).__name__}: {str(e).splitlines()[0]}"
+        except RayError as e:
+            reason = f"a rank failed the step: {type(e).__name__}: {str(e).splitlines()[0]}"
+        self._fail(reason)
+        raise GroupFailed(f"group {self.group_id}: {reason}")
+
+    def rank_actors(self) -> list:
+        """The live rank actors (for health probes and fault-injection tests)."""
+        inc = self._incarnation
+        return list(inc.actors) if inc is not None else []
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            inc, self._incarnation = self._incarnation, None
+            self._cond.notify_all()
+        if inc is not None:
+            inc.kill()
+        self._set_state(GroupState.DEAD)

@@ -1,0 +1,96 @@
+"""The Ray actor hosting one tensor-parallel rank of a worker group.
+
+The actor does no CUDA work in ``__init__``: Ray has set ``CUDA_VISIBLE_DEVICES`` for a GPU actor
+by then, but the device is first touched in ``load``. Every method is driven by the group's
+leader, in the same order on every rank, so collectives never interleave.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+from cluster.rank import RankInfo
+from deploy.config import Config
+from worker.step import StepMessage, StepResult
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RankActor:
+    """One rank: a :class:`worker.worker.Worker` on a tensor-parallel slice of the model."""
+
+    def __init__(self, info: RankInfo, config: dict) -> None:
+        self.info = info
+        self.config = Config.from_dict(config)
+        self.worker = None
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+    def rendezvous_address(self) -> str:
+        """``tcp://127.0.0.1:<free port>`` on this rank's host (called on rank 0)."""
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    def init_distributed(self, init_method: str, backend: str, timeout_s: float) -> str:
+        """Join the group's process group; every rank must be called concurrently."""
+        import torch
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
+        dist.init_process_group(backend, init_method=init_method, rank=self.info.rank,
+                                world_size=self.info.world_size, timeout=timedelta(seconds=timeout_s))
+        warm = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
+        dist.all_reduce(warm)  # communicator warm-up before any capture
+        return self.info.name
+
+    def load(self) -> int:
+        """Load this rank's weight shard; returns the KV pages this rank could hold."""
+        import torch.distributed as dist
+
+        from worker.model.parallel import TensorParallel
+        from worker.worker import Worker
+
+        world = self.info.world_size
+        tp = TensorParallel(self.info.rank, world, dist.group.WORLD if world > 1 else None)
+        labels = {"group": self.info.group_id, "rank": str(self.info.rank), "role": self.info.role}
+        self.worker = Worker(self.config, tp, metric_labels=labels)
+        return self.worker.available_pages()
+
+    def max_model_len(self, num_pages: int) -> int:
+        return self.worker.max_model_len(num_pages)
+
+    def allocate(self, num_pages: int, max_model_len: int) -> None:
+        self.worker.allocate(num_pages, max_model_len)
+
+    def capture(self) -> None:
+        self.worker.capture()
+
+    def arch(self):
+        return self.worker.arch
+
+    def execute(self, msg: StepMessage) -> StepResult | None:
+        """Run one step; only rank 0 returns its result (every rank computed the same tokens)."""
+        result = self.worker.execute(msg)
+        return result if self.info.rank == 0 else None
+
+    def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.worker.registry)
+
+    def ping(self) -> str:
+        return self.info.name
+
+    def shutdown(self) -> None:
+        """Graphs first, then the process group (graphs may have recorded its collectives)."""
+        import torch.distributed as dist
+
+        if self.worker is not None:
+            self.worker.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,133 @@
+"""Tensor-parallel worker groups as real Ray actors on CPU (gloo), through the debug runner path."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from cluster.group import WorkerGroup  # noqa: E402
+from cluster.rank import GroupState  # noqa: E402
+from deploy.config import load_config  # noqa: E402
+from tests.reference import rel_err  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.model.linear import qkv_sources  # noqa: E402
+from worker.model.parallel import TensorParallel  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
+from worker.step import StepMessage  # noqa: E402
+from worker.worker import Worker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def _config(path, tp, *extra):
+    return load_config(None, [f"model.path={path}", "model.device=cpu", "graphs.debug=true", "cache.num_pages=128",
+                              "scheduler.max_running_requests=8", "scheduler.chunked_prefill_size=512",
+                              "graphs.prefill.max_tokens=512", "graphs.decode.max_batch_size=8",
+                              f"cluster.tp_size={tp}", "cluster.step_timeout_s=60", "cluster.start_timeout_s=240",
+                              *extra])
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them():
+    sources, q_heads, kv_heads = qkv_sources("l", 8, 2, 16, TensorParallel(3, 4))
+    assert (q_heads, kv_heads) == (2, 1)
+    assert sources[1].start == 1 * 16 and sources[1].length == 16  # ranks 2, 3 share kv head 1
+
+
+def _messages(prompts, pages_per_row=4):
+    """A prefill of ``prompts`` returning every token's logits, and a decode message factory."""
+    tables = [list(range(1 + i * pages_per_row, 1 + (i + 1) * pages_per_row)) for i in range(len(prompts))]
+    ids = [t for p in prompts for t in p]
+    pos = [i for p in prompts for i in range(len(p))]
+    rows = list(range(len(ids)))
+    greedy = SamplingParams(temperature=0)
+    prefill = StepMessage(True, ids, pos, [len(p) for p in prompts], [len(p) for p in prompts], tables, rows,
+                          [greedy] * len(rows), [0] * len(rows), [0] * len(rows), return_logits=True)
+
+    def decode(tokens, lengths):
+        return StepMessage(False, tokens, [n - 1 for n in lengths], lengths, [1] * len(lengths), tables,
+                           list(range(len(lengths))), [greedy] * len(lengths), [0] * len(lengths),
+                           [0] * len(lengths), return_logits=True)
+
+    return prefill, decode
+
+
+@pytest.mark.timeout(600)
+def test_tp2_group_logits_equal_tp1(ray_local, checkpoint_dir):
+    path = checkpoint_dir("tiny-llama")
+    local = Worker.local(_config(path, 1))
+    group = WorkerGroup(_config(path, 2))
+    try:
+        assert group.state is GroupState.READY and group.num_pages == local.num_pages
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (7, 30, 19)]
+        prefill, decode = _messages(prompts)
+        ref, got = local.execute(prefill), group.execute(prefill)
+        assert rel_err(got.logits, ref.logits) <= 1e-5
+        last = [sum(len(p) for p in prompts[:i + 1]) - 1 for i in range(len(prompts))]
+        tokens = [ref.token_ids[i] for i in last]
+        lengths = [len(p) + 1 for p in prompts]
+        for _ in range(16):
+            ref, got = local.execute(decode(tokens, lengths)), group.execute(decode(tokens, lengths))
+            assert rel_err(got.logits, ref.logits) <= 1e-5
+            assert got.token_ids == ref.token_ids
+            tokens, lengths = ref.token_ids, [n + 1 for n in lengths]
+        # every rank replayed through the debug runner (not the plain eager path)
+        text = ray.get(group.rank_actors()[1].metrics_text.remote(), timeout=30).decode()
+        assert 'cuda_graph_fallbacks_total{group="g0",phase="decode",rank="1",reason="debug",role="colocated"} 16.0' \
+            in text
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_killed_rank_fails_group_restarts_and_requests_complete(ray_local, checkpoint_dir):
+    path = checkpoint_dir("tiny-llama")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11] * 17, [300, 301, 302]]
+    expected = [o.token_ids for o in Engine(_config(path, 1)).generate(prompts, params)]
+
+    group = WorkerGroup(_config(path, 2))
+    engine = Engine(_config(path, 2), executor=group)
+    start_free = engine.num_free_pages
+    started = time.monotonic()
+    try:
+        ids = [engine.add_request(p, params) for p in prompts]
+        for _ in range(4):
+            engine.step()
+        victim = group.rank_actors()[1]
+        ray.kill(victim, no_restart=True)
+        assert engine.step() == []  # the step failed: requests were re-queued, not lost
+        assert group.restarts == 1 and group.health()["generation"] == 1
+        assert "rank died" in group.last_error
+        while engine.has_unfinished():
+            engine.step()
+            assert time.monotonic() - started < 400
+        assert group.state is GroupState.READY
+        assert [engine.output(i).token_ids for i in ids] == expected
+        assert all(engine.output(i).num_preemptions == 1 for i in ids)
+        assert engine.num_free_pages == start_free
+        again = engine.generate([prompts[0]], params)[0]
+        assert again.token_ids == expected[0] and again.finish_reason == "length"
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_group_that_cannot_be_placed_fails_fast_with_a_reason(ray_local, checkpoint_dir):
+    from cluster.rank import GroupUnavailable
+
+    path = checkpoint_dir("tiny-llama")
+    started = time.monotonic()
+    with pytest.raises(GroupUnavailable, match="placement group for 16 ranks.*not ready after 5s"):
+        WorkerGroup(_config(path, 16, "cluster.start_timeout_s=5"))
+    assert time.monotonic() - started < 60
