@@ -56,7 +56,8 @@ class RankActor:
         from worker.worker import Worker
 
         world = self.info.world_size
-        tp = TensorParallel(self.info.rank, world, dist.group.WORLD if world > 1 else None)
+        forced = self.config.cluster.collectives_at_tp1
+        tp = TensorParallel(self.info.rank, world, dist.group.WORLD if world > 1 or forced else None, forced)
         labels = {"group": self.info.group_id, "rank": str(self.info.rank), "role": self.info.role}
         self.worker = Worker(self.config, tp, metric_labels=labels)
         return self.worker.available_pages()
@@ -77,6 +78,19 @@ class RankActor:
         """Run one step; only rank 0 returns its result (every rank computed the same tokens)."""
         result = self.worker.execute(msg)
         return result if self.info.rank == 0 else None
+
+    def profile_step(self, msg: StepMessage) -> dict:
+        """Run one step under the torch profiler; returns the CUDA kernel and CPU op names seen."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            self.worker.execute(msg)
+            torch.cuda.synchronize()
+        events = prof.events()
+        cuda = sorted({e.name for e in events if e.device_type.name == "CUDA"})
+        cpu = sorted({e.name for e in events if e.device_type.name == "CPU"})
+        return {"cuda": cuda, "cpu": cpu}
 
     def metrics_text(self) -> bytes:
         from prometheus_client import generate_latest

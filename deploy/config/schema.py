@@ -293,6 +293,8 @@ class ClusterConfig(Section):
     gpus_per_rank: GPUs each rank actor reserves on a GPU cluster (0 < x <= 1; fractions let
         several groups share one GPU for testing).
     restart: start a fresh group in the background when one dies.
+    collectives_at_tp1: run the all-reduce even at tp_size 1 (a no-op on values) so one GPU can
+        verify that NCCL collectives are captured inside graphs.
     """
 
     mode: ClusterMode = "colocated"
@@ -301,6 +303,7 @@ class ClusterConfig(Section):
     start_timeout_s: float = 900.0
     gpus_per_rank: float = 1.0
     restart: bool = True
+    collectives_at_tp1: bool = False
 
     def __post_init__(self) -> None:
         _check_min(self.tp_size, "tp_size", 1)

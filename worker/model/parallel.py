@@ -16,11 +16,16 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """``rank`` of ``size`` in the tensor-parallel group ``group`` (None: the default group)."""
+    """``rank`` of ``size`` in the tensor-parallel group ``group`` (None: the default group).
+
+    ``collectives_at_size_one`` issues the all-reduce even for a group of one: it changes no
+    value, and lets a single GPU verify that collectives are recorded inside graphs.
+    """
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    collectives_at_size_one: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -34,7 +39,7 @@ class TensorParallel:
         return self.rank * n, n
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 or self.collectives_at_size_one:
             dist.all_reduce(x, group=self.group)
         return x
 

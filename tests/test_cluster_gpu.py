@@ -1,0 +1,53 @@
+"""One GPU: a TP=1 group in a Ray actor with full decode graphs and NCCL recorded in the graph."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+import torch  # noqa: E402
+
+from cluster.group import WorkerGroup  # noqa: E402
+from deploy.config import load_config  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
+from worker.step import StepMessage  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ray_gpu():
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=torch.cuda.device_count(),
+             include_dashboard=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def _config(path, *extra):
+    return load_config(None, [f"model.path={path}", "cache.num_pages=512", "scheduler.max_running_requests=16",
+                              "graphs.decode.max_batch_size=16", "graphs.capture=decode", *extra])
+
+
+@pytest.mark.timeout(900)
+def test_tp1_group_actor_captures_nccl_all_reduce_in_decode_graphs(ray_gpu, checkpoint_dir):
+    path = checkpoint_dir("tiny-llama")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [100] * 21, [7, 3, 9]]
+    expected = [o.token_ids for o in Engine(_config(path, "graphs.enabled=false")).generate(prompts, params)]
+    group = WorkerGroup(_config(path, "cluster.collectives_at_tp1=true"))
+    try:
+        engine = Engine(_config(path, "cluster.collectives_at_tp1=true"), executor=group)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+        greedy = SamplingParams(temperature=0)
+        decode = StepMessage(False, [5, 6], [4, 4], [5, 5], [1, 1], [[1], [2]], [0, 1], [greedy] * 2, [0, 0],
+                             [0, 0])
+        seen = ray.get(group.rank_actors()[0].profile_step.remote(decode), timeout=300)
+        assert any("nccl" in k.lower() for k in seen["cuda"]), seen["cuda"]
+        assert any("cudaGraphLaunch" in op for op in seen["cpu"]), "the step did not replay a graph"
+        eager_collectives = [op for op in seen["cpu"] if "allreduce" in op.lower() or "all_reduce" in op.lower()]
+        assert not eager_collectives, f"all-reduce issued eagerly, not from the graph: {eager_collectives}"
+        text = ray.get(group.rank_actors()[0].metrics_text.remote(), timeout=30).decode()
+        assert 'mode="decode_cuda_graph"' in text
+    finally:
+        group.shutdown()
