@@ -118,6 +118,12 @@ class GraphBackend(ABC):
         shape.hits += 1
         self._replay(shape.artifact)
 
+    def release_shape(self, key: Hashable) -> None:
+        """Drop one captured shape (its pool blocks return to the pool for later captures)."""
+        shape = self.shapes.pop(key, None)
+        if shape is not None:
+            self._release(shape.artifact)
+
     def release(self) -> None:
         """Drop every captured shape (graphs before the pool: see graphs/DESIGN.md)."""
         for shape in self.shapes.values():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 MODE_SUFFIX = {"full": "cuda_graph", "breakable": "breakable", "tc_piecewise": "tc_piecewise"}
 
@@ -29,12 +29,27 @@ class GraphMetrics:
         self.memory_bytes = Gauge("cuda_graph_memory_bytes", "Graph pool bytes measured during capture",
                                   ["phase", *extra], registry=reg)
         self.shapes = Gauge("cuda_graph_shapes", "Captured shapes", ["phase", *extra], registry=reg)
+        self.budget_bytes = Gauge("cuda_graph_budget_bytes", "Graph memory budget (0: unbounded)", extra,
+                                  registry=reg)
+        self.padding_ratio = Histogram("cuda_graph_padding_ratio", "Padded over real size per replay",
+                                       ["phase", *extra], buckets=(1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0),
+                                       registry=reg)
+        self.replans = Counter("cuda_graph_replans", "Live re-plans of the graph ladders", extra, registry=reg)
 
     def record_pass(self, phase: str, backend: str | None, reason: str | None) -> None:
         """One forward pass; ``backend`` None (or a non-graph backend) counts as ``<phase>_none``."""
         self.passes.labels(phase=phase, mode=pass_mode(phase, backend), **self.labels).inc()
         if reason is not None:
             self.fallbacks.labels(phase=phase, reason=reason, **self.labels).inc()
+
+    def record_padding(self, phase: str, padded: int, real: int) -> None:
+        self.padding_ratio.labels(phase=phase, **self.labels).observe(padded / real)
+
+    def record_budget(self, budget_bytes: int | None) -> None:
+        (self.budget_bytes.labels(**self.labels) if self.labels else self.budget_bytes).set(budget_bytes or 0)
+
+    def record_replan(self) -> None:
+        (self.replans.labels(**self.labels) if self.labels else self.replans).inc()
 
     def record_capture(self, phase: str, shapes: int, seconds: float, resident_bytes: int) -> None:
         self.shapes.labels(phase=phase, **self.labels).set(shapes)

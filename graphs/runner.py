@@ -110,6 +110,7 @@ class GraphRunner(ABC, Generic[Batch, Output]):
         self.load(batch, choice.size)
         self.backend.replay(choice.size)
         if self.metrics is not None:
+            self.metrics.record_padding(self.phase, choice.size, self.batch_size(batch))
             self.metrics.record_pass(self.phase, self.backend.name if self.backend.is_graph else None,
                                      None if self.backend.is_graph else self.backend.name)
         return self.outputs(batch)

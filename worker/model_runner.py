@@ -9,6 +9,7 @@ import torch
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
 from graphs.metrics import GraphMetrics
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner
+from graphs.profile import BatchProfile
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
@@ -45,6 +46,7 @@ class ModelRunner:
         self.metrics = metrics
         self.decode_eager_reason = decode_eager_reason
         self.prefill_eager_reason = prefill_eager_reason
+        self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
 
     def prepare(self, msg: StepMessage) -> StepInputs:
         packed = torch.tensor([msg.input_ids, msg.positions], dtype=torch.int64).to(self.device, non_blocking=True)
@@ -61,6 +63,7 @@ class ModelRunner:
 
         A replayed result is a view of the runner's static output: consume it before the next step.
         """
+        self.profile.record_decode(inputs.input_ids.shape[0])
         if self.decode_graphs is not None:
             live = LiveDecodeBatch(inputs.input_ids, inputs.positions, inputs.attention)
             choice = self.decode_graphs.decide(live)
@@ -76,6 +79,7 @@ class ModelRunner:
 
         A replayed result is a view of the runner's static output: consume it before the next step.
         """
+        self.profile.record_prefill(inputs.input_ids.shape[0], num_requests)
         if self.prefill_graphs is not None:
             live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests)
             choice = self.prefill_graphs.decide(live)

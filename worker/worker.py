@@ -18,9 +18,11 @@ from prometheus_client import CollectorRegistry
 from deploy.config import Config
 from graphs.backends import create_backend
 from graphs.buckets import default_decode_ladder
+from graphs.budget import capture_within_budget
 from graphs.decode import DecodeGraphRunner
 from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
+from graphs.profile import BatchProfile
 from worker.attention.factory import create_attention_backend
 from worker.graph_steps import ModelDecodeStep, ModelPrefillStep
 from worker.kv_cache import KVCacheShape, PagedKVCache
@@ -72,6 +74,11 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         kernels = select_kernels(self.device, prefer_fused=config.attention.backend != "torch")
         self.model, self.arch = load_model(Path(config.model.path), self.dtype, self.device, tp, kernels)
+        # The graph budget may be a fraction of the memory free after weights: read it now,
+        # before the KV cache takes the rest (order: weights, graph budget, KV cache, capture).
+        self.free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        self.graph_budget = config.graphs.resolved_memory_budget(self.free_after_weights) \
+            if self.device.type == "cuda" or not isinstance(config.graphs.memory_budget, float) else None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.graph_metrics = GraphMetrics(self.registry, metric_labels)
         sched = config.scheduler
@@ -106,7 +113,7 @@ class Worker:
         shape = KVCacheShape(self.arch.num_layers, 1, cache.page_size,
                              self.model.attention_shape.num_kv_heads, self.arch.head_dim)
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = total * (1 - cache.gpu_memory_fraction) + self._activation_bytes()
+        reserve = total * (1 - cache.gpu_memory_fraction) + self._activation_bytes() + (self.graph_budget or 0)
         pages = int((free - reserve) // shape.bytes_per_page(self.dtype))
         if pages < 2:
             raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
@@ -136,11 +143,49 @@ class Worker:
     # ----- graphs -----
 
     def capture(self) -> None:
-        """Build the graph runners the config asks for and capture them (prefill first)."""
-        prefill_graphs, prefill_reason = self._build_prefill_graphs()
-        decode_graphs, decode_reason = self._build_decode_graphs()
+        """Build the graph runners the config asks for and capture them (prefill first).
+
+        With ``graphs.memory_budget`` or ``graphs.profile`` set, the ladders are planned and
+        captured within the budget (:mod:`graphs.budget`); otherwise every ladder shape is.
+        """
+        g = self.config.graphs
+        profile = BatchProfile.load(g.profile) if g.profile else None
+        prefill_graphs, prefill_reason = self._build_prefill_graphs(widen=profile is not None)
+        decode_graphs, decode_reason = self._build_decode_graphs(widen=profile is not None)
+        self.graph_metrics.record_budget(self.graph_budget)
+        if self.graph_budget is None and profile is None:
+            for runner in (prefill_graphs, decode_graphs):
+                if runner is not None:
+                    runner.capture_all(progress=self.tp.rank == 0, timeout_s=g.capture_timeout_s)
+        elif prefill_graphs is not None or decode_graphs is not None:
+            defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
+            self.budget_report = capture_within_budget(decode_graphs, prefill_graphs, self.graph_budget, profile,
+                                                       defaults)
+            for runner in (prefill_graphs, decode_graphs):
+                if runner is not None and self.graph_metrics is not None:
+                    self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
+                                                      runner.backend.resident_bytes)
         self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, decode_reason,
                                   prefill_graphs, prefill_reason)
+
+    def profile(self) -> BatchProfile:
+        """The live batch shapes this rank has run (for ``graphs.profile`` of a later start)."""
+        return self.runner.profile
+
+    def _decode_ladder(self, widen: bool) -> list[int]:
+        g = self.config.graphs
+        max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
+        if g.decode.batch_sizes and not widen:
+            return list(g.decode.batch_sizes)
+        return list(range(1, max_bs + 1)) if widen else default_decode_ladder(max_bs)
+
+    def _prefill_ladder(self, widen: bool) -> list[int]:
+        p = self.config.graphs.prefill
+        if p.token_buckets and not widen:
+            return list(p.token_buckets)
+        if widen:
+            return sorted(set(range(64, self.prefill_ceiling, 64)) | {self.prefill_ceiling})
+        return default_prefill_ladder(self.prefill_ceiling)
 
     def _graph_backend_name(self, phase: str) -> tuple[str | None, str]:
         """(backend ``phase`` captures with, "") or (None, the reason its passes run eagerly)."""
@@ -167,12 +212,13 @@ class Worker:
             return None
         return lambda: torch.distributed.barrier(group=self.tp.group)
 
-    def _build_prefill_graphs(self) -> tuple[PrefillGraphRunner | None, str]:
+    def _build_prefill_graphs(self, widen: bool) -> tuple[PrefillGraphRunner | None, str]:
+        """The prefill runner (not yet captured) over its candidate ladder, or None and why not."""
         name, reason = self._graph_backend_name("prefill")
         if name is None:
             return None, reason
         p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
-        ladder = list(p.token_buckets) if p.token_buckets else default_prefill_ladder(self.prefill_ceiling)
+        ladder = self._prefill_ladder(widen)
         if name == "full":
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
                         "with fixed request slots; breakable is the production default")
@@ -180,20 +226,16 @@ class Worker:
         runner = PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()), ladder,
                                     p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
                                     self.dtype)
-        runner.capture_all(progress=self.tp.rank == 0, timeout_s=self.config.graphs.capture_timeout_s)
         return runner, "disabled"
 
-    def _build_decode_graphs(self) -> tuple[DecodeGraphRunner | None, str]:
+    def _build_decode_graphs(self, widen: bool) -> tuple[DecodeGraphRunner | None, str]:
+        """The decode runner (not yet captured) over its candidate ladder, or None and why not."""
         name, reason = self._graph_backend_name("decode")
         if name is None:
             return None, reason
-        g = self.config.graphs
-        max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
-        ladder = list(g.decode.batch_sizes) if g.decode.batch_sizes else default_decode_ladder(max_bs)
         step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()), ladder,
-                                   g.decode.padding, self.graph_metrics)
-        runner.capture_all(progress=self.tp.rank == 0, timeout_s=g.capture_timeout_s)
+        runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()),
+                                   self._decode_ladder(widen), self.config.graphs.decode.padding, self.graph_metrics)
         return runner, "disabled"
 
     # ----- steps -----
