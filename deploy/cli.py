@@ -1,4 +1,4 @@
-"""The ``graphfleet`` command line: ``make-checkpoint``, ``generate``, ``demo``.
+"""The ``graphfleet`` command line: ``make-checkpoint``, ``generate``, ``demo``, ``profile export``.
 
 No work happens at import time; every subcommand imports what it needs.
 """
@@ -71,6 +71,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.output != "json":
         n = sum(len(o.token_ids) for o in outputs)
         print(f"{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tokens/s")
+    if args.profile_out:
+        engine.worker.profile().save(args.profile_out)
+    return 0
+
+
+def cmd_profile_export(args: argparse.Namespace) -> int:
+    """Replay a request trace (or the built-in skewed one) and write the batch-shape profile."""
+    from worker.engine import Engine
+    from worker.traces import load_trace, run_trace, skewed_trace
+
+    trace = load_trace(args.trace) if args.trace else skewed_trace(args.requests, seed=args.seed)
+    engine = Engine(_load_config(args, [f"model.path={args.model}"]))
+    steps = run_trace(engine, trace, seed=args.seed)
+    profile = engine.worker.profile()
+    profile.save(args.out)
+    print(f"replayed {len(trace)} requests in {steps} steps; wrote {profile.decode_steps} decode and "
+          f"{profile.prefill_steps} prefill step shapes to {args.out}")
     return 0
 
 
@@ -123,8 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--output", choices=["text", "json"], default="text")
+    p.add_argument("--profile-out", help="write the batch-shape profile of this run (JSON) for graphs.profile")
     _config_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("profile", help="batch-shape profiles for profile-guided graph ladders")
+    psub = p.add_subparsers(dest="profile_command", required=True)
+    e = psub.add_parser("export", help="replay a request trace and write its batch-shape profile (JSON)")
+    e.add_argument("--model", required=True)
+    e.add_argument("--trace", help="JSONL rows {prompt_len, max_tokens, arrival_step}; default: a skewed synthetic one")
+    e.add_argument("--requests", type=int, default=400, help="size of the synthetic trace")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", required=True)
+    _config_args(e)
+    e.set_defaults(func=cmd_profile_export)
 
     p = sub.add_parser("demo", help="small batch generation printing tokens/s")
     p.add_argument("--model", required=True)
@@ -139,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from deploy.config import ConfigError
+    from graphs.profile import ProfileError
     from worker.model.arch import CheckpointError
     from worker.request import RequestRejected
     from worker.sampling.params import SamplingParamsError
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, RequestRejected, SamplingParamsError) as e:
+    except (ConfigError, CheckpointError, RequestRejected, SamplingParamsError, ProfileError) as e:
         print(f"graphfleet {args.command}: error: {e}", file=sys.stderr)
         return 2
 

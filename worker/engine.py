@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +53,7 @@ class RequestEvent:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None
     num_preemptions: int
+    error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
 
 
 class Engine:
@@ -97,6 +99,7 @@ class Engine:
         self._rng = random.Random(config.model.seed)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self.errors: dict[str, str] = {}
+        self._handoffs: dict[str, Callable[[Request], None]] = {}
         log.info("engine ready: %d KV pages of %d tokens, max_model_len %d", num_pages, page_size,
                  self.max_model_len)
 
@@ -128,6 +131,17 @@ class Engine:
         """Queue a request; raises :class:`RequestRejected` (naming the problem) and changes nothing."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
+        self._check_prompt(ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(rid, ids, params, seed, next(self._arrivals))
+        self._register(req)
+        self.scheduler.add(req)
+        return rid
+
+    def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise RequestRejected("prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
@@ -137,22 +151,93 @@ class Engine:
             raise RequestRejected(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise RequestRejected(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Request(rid, ids, params, seed, next(self._arrivals))
-        self.requests[rid] = req
-        self._texts[rid] = OutputText(self.tokenizer.incremental_decoder() if self.tokenizer else _NoText(),
-                                      params.stop)
+
+    def _register(self, req: Request) -> None:
+        """Track ``req`` and give it an output text primed with the tokens it already has."""
+        self.requests[req.request_id] = req
+        text = OutputText(self.tokenizer.incremental_decoder() if self.tokenizer else _NoText(), req.params.stop)
+        for token in req.output_ids:
+            text.append(token)
+        self._texts[req.request_id] = text
+
+    def _resumed(self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams, seed: int,
+                 request_id: str, logprobs: Sequence[float]) -> Request:
+        ids = [int(t) for t in prompt_ids]
+        self._check_prompt(ids)
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, params, seed, next(self._arrivals))
+        req.output_ids = [int(t) for t in output_ids]
+        req.logprobs = list(logprobs)
+        if req.num_tokens >= self.max_model_len:
+            raise RequestRejected(f"request has {req.num_tokens} tokens; max_model_len is {self.max_model_len}")
+        return req
+
+    # ----- requests moved between engines (the fleet) -----
+
+    def admit(self, prompt_ids: Sequence[int], params: SamplingParams, *, seed: int, request_id: str,
+              output_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
+              on_first_token: Callable[[Request], None] | None = None) -> str:
+        """Queue a request for prefill with a caller-chosen ``seed``, resuming ``output_ids`` if given.
+
+        The request prefills ``prompt_ids + output_ids`` and samples output token
+        ``len(output_ids)`` exactly as it would have in one engine. With ``on_first_token``, the
+        request is handed off after that token: unless it finishes there (stop, EOS, length),
+        ``on_first_token(request)`` runs while its pages still hold the KV of every token but the
+        new one, then it finishes here with reason ``handoff`` (its text is not flushed).
+        """
+        req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
+        self._register(req)
+        if on_first_token is not None:
+            self._handoffs[request_id] = on_first_token
         self.scheduler.add(req)
-        return rid
+        return request_id
+
+    def can_admit_prefilled(self, num_tokens: int) -> bool:
+        """Whether :meth:`add_prefilled_request` of a request with ``num_tokens`` tokens fits now."""
+        running = self.scheduler.running
+        need = -(-(num_tokens - 1) // self.config.cache.page_size)
+        return (len(running) < self.config.scheduler.max_running_requests
+                and self.allocator.num_free - need >= len(running) and num_tokens < self.max_model_len)
+
+    def add_prefilled_request(self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+                              *, seed: int, request_id: str, import_kv: Callable[[list[int]], object],
+                              logprobs: Sequence[float] = ()) -> str:
+        """Admit a request whose KV was computed elsewhere; it continues with the next decode step.
+
+        ``output_ids`` (at least one) are the tokens sampled so far; the KV of every token but the
+        last is imported by ``import_kv(pages)`` into pages allocated here. If ``import_kv`` raises,
+        the pages are freed, nothing is admitted, and the error propagates.
+        """
+        if not output_ids:
+            raise RequestRejected("a prefilled request needs its first output token")
+        req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
+        num_kv = req.num_tokens - 1
+        need = req.pages_needed(num_kv, self.config.cache.page_size)
+        if len(self.scheduler.running) >= self.config.scheduler.max_running_requests:
+            raise RequestRejected(f"{len(self.scheduler.running)} requests already running "
+                                  f"(scheduler.max_running_requests={self.config.scheduler.max_running_requests})")
+        if not self.allocator.can_allocate(need):
+            raise RequestRejected(f"needs {need} KV pages, {self.allocator.num_free} free")
+        req.pages = self.allocator.allocate(need)
+        try:
+            import_kv(list(req.pages))
+        except BaseException:
+            self.allocator.free(req.pages)
+            raise
+        req.num_computed = num_kv
+        req.prefilling = False
+        req.first_token_time = time.monotonic()
+        self._register(req)
+        self.scheduler.add_running(req)
+        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Finish ``request_id`` with reason ``abort`` and free its pages; False if unknown/finished."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
+        self._handoffs.pop(request_id, None)
         self.scheduler.finish(req, "abort")
         return True
 
@@ -206,6 +291,11 @@ class Engine:
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
+        handoff = self._handoffs.pop(req.request_id, None)
+        if reason is None and handoff is not None:
+            handoff(req)  # the pages still hold the KV: the callback must take it before they are freed
+            self.scheduler.finish(req, "handoff")
+            return RequestEvent(req.request_id, [token], delta, True, "handoff", [logprob] if p.logprobs else None)
         if reason is not None:
             self.scheduler.finish(req, reason)
             delta += text.flush()
@@ -232,6 +322,7 @@ class Engine:
         if req is not None and req.status is Status.FINISHED:
             del self.requests[request_id]
             del self._texts[request_id]
+            self._handoffs.pop(request_id, None)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

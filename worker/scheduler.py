@@ -60,6 +60,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request that already holds pages with its KV (all tokens but the last): it decodes next."""
+        request.status = Status.RUNNING
+        self.running.append(request)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

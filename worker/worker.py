@@ -168,6 +168,47 @@ class Worker:
         self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, decode_reason,
                                   prefill_graphs, prefill_reason)
 
+    def replan(self, profile: BatchProfile | None = None) -> str:
+        """Capture new ladders (planned from ``profile``, default: what this rank has run) into a
+        fresh pool while the current graphs stay resident, switch to them, then release the old.
+
+        Runs between steps (the caller's step loop pauses for the capture). With a budget, the new
+        ladders are planned within the room the old graphs leave; when even the prefill ceiling
+        (or a single decode shape) does not fit there, it refuses with ``ValueError`` and changes
+        nothing. Returns the new plan's summary line.
+        """
+        old = self.runner
+        current = sum(r.backend.resident_bytes for r in (old.decode_graphs, old.prefill_graphs) if r is not None)
+        room = None if self.graph_budget is None else self.graph_budget - current
+        if room is not None and room <= 0:
+            raise ValueError(f"re-plan refused: the current graphs use {current} of the {self.graph_budget}-byte "
+                             "budget, leaving no room to capture the new ladders beside them")
+        profile = profile if profile is not None else old.profile
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        prefill, _ = self._build_prefill_graphs(widen=True, pool=pool)
+        decode, _ = self._build_decode_graphs(widen=True, pool=pool)
+        defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
+        report = capture_within_budget(decode, prefill, room, profile, defaults if room is None else None)
+        if (prefill is not None and not prefill.backend.shapes) or (decode is not None and not decode.backend.shapes):
+            for runner in (prefill, decode):
+                if runner is not None:
+                    runner.release()
+            raise ValueError(f"re-plan refused: {room} bytes of budget left beside the current graphs cannot "
+                             f"hold the new ladders ({'; '.join(report.notes) or 'nothing fits'}); nothing changed")
+        new = ModelRunner(self.model, self.attention, decode, self.graph_metrics, old.decode_eager_reason,
+                          prefill, old.prefill_eager_reason)
+        new.profile = old.profile
+        self.runner = new
+        for runner in (old.decode_graphs, old.prefill_graphs):
+            if runner is not None:
+                runner.release()
+        self.graph_metrics.record_replan()
+        for runner in (prefill, decode):
+            if runner is not None:
+                self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
+                                                  runner.backend.resident_bytes)
+        return report.line()
+
     def profile(self) -> BatchProfile:
         """The live batch shapes this rank has run (for ``graphs.profile`` of a later start)."""
         return self.runner.profile
@@ -212,7 +253,7 @@ class Worker:
             return None
         return lambda: torch.distributed.barrier(group=self.tp.group)
 
-    def _build_prefill_graphs(self, widen: bool) -> tuple[PrefillGraphRunner | None, str]:
+    def _build_prefill_graphs(self, widen: bool, pool: tuple | None = None) -> tuple[PrefillGraphRunner | None, str]:
         """The prefill runner (not yet captured) over its candidate ladder, or None and why not."""
         name, reason = self._graph_backend_name("prefill")
         if name is None:
@@ -223,18 +264,18 @@ class Worker:
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
                         "with fixed request slots; breakable is the production default")
         step = ModelPrefillStep(self.model, self.attention, breakable=name != "full")
-        runner = PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()), ladder,
+        runner = PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool), ladder,
                                     p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
                                     self.dtype)
         return runner, "disabled"
 
-    def _build_decode_graphs(self, widen: bool) -> tuple[DecodeGraphRunner | None, str]:
+    def _build_decode_graphs(self, widen: bool, pool: tuple | None = None) -> tuple[DecodeGraphRunner | None, str]:
         """The decode runner (not yet captured) over its candidate ladder, or None and why not."""
         name, reason = self._graph_backend_name("decode")
         if name is None:
             return None, reason
         step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier()),
+        runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool),
                                    self._decode_ladder(widen), self.config.graphs.decode.padding, self.graph_metrics)
         return runner, "disabled"
 

@@ -1,0 +1,347 @@
+"""The fleet's Python API: prefill, decode (or colocated) worker groups behind one request interface.
+
+>>> fleet = Fleet.start(config, mode="disaggregated", num_decode_groups=2)   # doctest: +SKIP
+>>> outputs = fleet.generate(["Hello"], SamplingParams(max_tokens=16))       # doctest: +SKIP
+>>> for event in fleet.stream("Hello"): print(event.text, end="")            # doctest: +SKIP
+>>> fleet.shutdown()                                                          # doctest: +SKIP
+
+Each group is a :class:`cluster.fleet_group.FleetWorkerGroup` driven by its own
+:class:`worker.engine.Engine`; one background thread (:mod:`cluster.fleet_loop`) steps all the
+engines and routes requests (:mod:`cluster.router`). Client calls are thread-safe: they validate
+and enqueue in the caller's thread and read events from a per-request queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+
+from cluster.fleet_config import FleetConfig
+from cluster.fleet_group import FleetWorkerGroup
+from cluster.fleet_loop import FleetLoop, GroupSlot
+from cluster.fleet_request import FleetRequest
+from cluster.kv_transport import create_transport
+from cluster.rank import GroupUnavailable
+from cluster.router import Overloaded, Router
+from deploy.config import Config
+from worker.engine import Engine, RequestEvent, RequestOutput
+from worker.request import RequestRejected
+from worker.sampling.params import SamplingParams
+from worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
+
+_POLL_S = 0.5
+
+
+class FleetClosed(RuntimeError):
+    """The fleet is shut down (or its loop stopped): no request can be submitted or awaited."""
+
+
+class RequestHandle:
+    """A submitted request: its events as they come, its output when done, and abort."""
+
+    def __init__(self, fleet: Fleet, request: FleetRequest) -> None:
+        self.request_id = request.request_id
+        self._fleet, self._sink, self._timeout_s = fleet, request.sink, request.timeout_s
+        self._submitted = request.submitted
+        self._output: RequestOutput | None = None
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def _next(self, wait_s: float | None) -> RequestEvent | RequestOutput:
+        """The next item from the loop; waits at most ``wait_s`` (None: until the request's deadline)."""
+        end = None if wait_s is None else time.monotonic() + wait_s
+        if end is None and self._timeout_s is not None:
+            end = self._submitted + self._timeout_s + 30.0  # the loop ends it at its deadline
+        while True:
+            left = _POLL_S if end is None else min(_POLL_S, end - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"request {self.request_id}: no event within {wait_s}s")
+            try:
+                return self._sink.get(timeout=left)
+            except queue.Empty:
+                if not self._fleet._loop_alive():
+                    raise FleetClosed(f"request {self.request_id}: the fleet stopped ({self._fleet._stopped_why()})") \
+                        from None
+
+    def events(self, wait_s: float | None = None) -> Iterator[RequestEvent]:
+        """Yield this request's events until the final one; ``wait_s`` bounds each wait (TimeoutError)."""
+        while not self._finished:
+            item = self._next(wait_s)
+            if isinstance(item, RequestOutput):
+                self._output = item
+                continue
+            if item.finished:
+                self._finished = True
+            yield item
+
+    def result(self, wait_s: float | None = None) -> RequestOutput:
+        """Wait for the request to end; ``wait_s`` bounds each wait between events (TimeoutError)."""
+        while self._output is None:
+            item = self._next(wait_s)
+            if isinstance(item, RequestOutput):
+                self._output = item
+            elif item.finished:
+                self._finished = True
+        return self._output
+
+    def abort(self) -> bool:
+        return self._fleet.abort(self.request_id)
+
+
+class Fleet:
+    """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
+
+    def __init__(self, config: Config, fleet_config: FleetConfig, slots: list[GroupSlot], transport) -> None:
+        self.config, self.fleet_config, self.slots = config, fleet_config, slots
+        model_dir = Path(config.model.path)
+        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.vocab_size = slots[0].engine.arch.vocab_size
+        self.router = Router(config.cache.page_size, fleet_config.max_queued_requests)
+        self._lock = threading.Lock()
+        self._live: set[str] = set()
+        self._ids = itertools.count()
+        self._rng = random.Random(config.model.seed)
+        self._closed = False
+        self._loop = FleetLoop(fleet_config, slots, self.router, transport, self._done)
+        self.max_model_len = self._loop.max_model_len
+        self._stop = threading.Event()
+        self._loop._publish(time.monotonic())
+        self._thread = threading.Thread(target=self._run, name="graphfleet-loop", daemon=True)
+        self._crash: str | None = None
+        self._thread.start()
+
+    # ----- lifecycle -----
+
+    @classmethod
+    def start(cls, config: Config, **fleet_options) -> Fleet:
+        """Start every group of the fleet (concurrently) and its loop; see :class:`FleetConfig` for options.
+
+        Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
+        lacks, ``GroupUnavailable`` if a group fails to start (the others are shut down).
+        """
+        if not ray.is_initialized():
+            raise RuntimeError("ray is not initialized: call ray.init(...) before Fleet.start")
+        fcfg = FleetConfig.from_config(config, **fleet_options)
+        transport = create_transport(fcfg.kv_transport) if fcfg.disaggregated else None
+        layout = fcfg.groups()
+        configs = {gid: fcfg.role_config(config, role) for gid, role in layout}
+        groups: dict[str, FleetWorkerGroup] = {}
+        errors: list[str] = []
+        with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-start") as pool:
+            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role) for gid, role in layout}
+            for gid, fut in futures.items():
+                try:
+                    groups[gid] = fut.result()
+                except Exception as e:  # noqa: BLE001 (reported together below)
+                    errors.append(f"{gid}: {e}")
+        try:
+            if errors:
+                raise GroupUnavailable("fleet start failed: " + "; ".join(errors))
+            if fcfg.disaggregated:
+                _check_kv_layouts([groups[g] for g, r in layout if r == "prefill"],
+                                  [groups[g] for g, r in layout if r == "decode"], config.cluster.start_timeout_s)
+            slots = [GroupSlot(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
+                     for gid, role in layout]
+        except BaseException:
+            _shutdown_groups(list(groups.values()))
+            raise
+        log.info("fleet %s ready: %s", fcfg.name, ", ".join(f"{gid} ({role})" for gid, role in layout))
+        return cls(config, fcfg, slots, transport)
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """End every request with an error, stop the loop and shut every group down (idempotent)."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._thread.join(timeout_s)
+        _shutdown_groups([s.group for s in self.slots])
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _run(self) -> None:
+        try:
+            self._loop.run(self._stop)
+        except BaseException as e:
+            self._crash = f"{type(e).__name__}: {e}"
+            log.exception("fleet loop crashed")
+            raise
+
+    def _loop_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _stopped_why(self) -> str:
+        return self._crash or ("shut down" if self._closed else "loop not running")
+
+    def _done(self, request_id: str) -> None:
+        with self._lock:
+            self._live.discard(request_id)
+
+    # ----- requests -----
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this checkpoint has no tokenizer.json: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestRejected("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                  "(prompt plus at least one generated token must fit)")
+        return ids
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
+        """Queue a request and return its handle.
+
+        ``timeout_s`` is the request's deadline from now (default ``request_timeout_s``): past it the
+        request ends with finish_reason "error" and a message saying so. Raises
+        :class:`RequestRejected` (bad prompt or id), :class:`Overloaded` (queue full), :class:`FleetClosed`.
+        """
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        timeout_s = timeout_s if timeout_s is not None else self.fleet_config.request_timeout_s
+        if timeout_s is not None and not timeout_s > 0:
+            raise RequestRejected(f"timeout_s must be > 0, got {timeout_s!r}")
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                raise FleetClosed(f"the fleet is not accepting requests ({self._stopped_why()})")
+            rid = request_id if request_id is not None else f"fleet-{next(self._ids)}"
+            if rid in self._live:
+                raise RequestRejected(f"request id {rid!r} is already in use")
+            self.router.gate.acquire()
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+            self._live.add(rid)
+        request = FleetRequest(rid, ids, params, seed, timeout_s)
+        self._loop.commands.put(("submit", request))
+        return RequestHandle(self, request)
+
+    def abort(self, request_id: str) -> bool:
+        """End ``request_id`` with finish_reason "abort", freeing its pages on every group; False if unknown."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+        self._loop.commands.put(("abort", request_id))
+        return True
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 timeout_s: float | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion and return their outputs in order.
+
+        A request that fails has finish_reason "error" and ``error`` set; ``timeout_s`` is each
+        request's deadline. Raises :class:`Overloaded` if the queue cannot take them all (the
+        ones already queued are aborted).
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        handles: list[RequestHandle] = []
+        try:
+            for p, sp in zip(prompts, params):
+                handles.append(self.submit(p, sp, timeout_s=timeout_s))
+            return [h.result() for h in handles]
+        finally:
+            for h in handles:
+                if not h.finished and h._output is None:
+                    h.abort()
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None, timeout_s: float | None = None,
+               wait_s: float | None = None) -> Iterator[RequestEvent]:
+        """Yield the request's events; the last has ``finished``. Closing the iterator aborts it.
+
+        ``timeout_s`` is the request's deadline, ``wait_s`` bounds each wait for an event.
+        """
+        handle = self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s)
+        try:
+            yield from handle.events(wait_s)
+        finally:
+            if not handle.finished:
+                handle.abort()
+
+    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                      request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestEvent]:
+        """:meth:`stream` for asyncio: waits for events in a worker thread, never blocking the event loop."""
+        handle = self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s)
+        events = handle.events()
+        try:
+            while True:
+                event = await asyncio.to_thread(next, events, None)
+                if event is None:
+                    return
+                yield event
+        finally:
+            if not handle.finished:
+                handle.abort()
+
+    # ----- observation -----
+
+    def health(self) -> dict:
+        """Fleet status (ready | starting | degraded | dead) and per group: role, state (starting,
+        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests."""
+        with self._loop.health_lock:
+            snapshot = dict(self._loop.health)
+        snapshot["groups"] = {k: dict(v) for k, v in snapshot.get("groups", {}).items()}
+        if not self._thread.is_alive():
+            snapshot["status"] = "dead"
+            snapshot["error"] = self._stopped_why()
+        return snapshot
+
+    def group(self, group_id: str) -> FleetWorkerGroup:
+        """The worker group ``group_id`` (for probes and fault injection; do not drive it)."""
+        for s in self.slots:
+            if s.group_id == group_id:
+                return s.group
+        raise KeyError(f"no group {group_id!r}; groups: {[s.group_id for s in self.slots]}")
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [s.group_id for s in self.slots]
+
+
+def _check_kv_layouts(prefill: list[FleetWorkerGroup], decode: list[FleetWorkerGroup], timeout_s: float) -> None:
+    """Rank i of every prefill group must be able to hand KV to rank i of every decode group."""
+    layouts = {g.group_id: g.kv_layouts(timeout_s) for g in prefill + decode}
+    for p in prefill:
+        for d in decode:
+            src, dst = layouts[p.group_id], layouts[d.group_id]
+            if len(src) != len(dst):
+                raise ValueError(f"KV hand-off {p.group_id} -> {d.group_id}: tp sizes {len(src)} and {len(dst)} "
+                                 "differ (equal sizes are required)")
+            for rank, (a, b) in enumerate(zip(src, dst)):
+                why = a.mismatch(b)
+                if why:
+                    raise ValueError(f"KV hand-off {p.group_id} -> {d.group_id}: rank {rank} layouts differ: {why}")
+
+
+def _shutdown_groups(groups: list[FleetWorkerGroup]) -> None:
+    if not groups:
+        return
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="fleet-stop") as pool:
+        list(pool.map(lambda g: g.shutdown(), groups))

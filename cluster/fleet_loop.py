@@ -1,0 +1,355 @@
+"""The fleet's loop: the one thread that steps every group's engine and moves requests between them.
+
+Engines are not thread-safe, so everything that touches an engine, the router's queues or a
+:class:`FleetRequest` runs here; clients talk to the loop through a command queue and read
+events from per-request queues. One iteration:
+
+1. apply client commands (submit, abort);
+2. watch the groups: the requests of a disaggregated group that is no longer ready are moved
+   back to the router (their KV is gone with the group) and re-prefilled elsewhere, or where
+   their group restarts; requests that need a role whose every group is lost end with an error;
+3. end requests past their deadline;
+4. dispatch queued requests to prefill (or colocated) groups, and prefilled requests' KV to
+   decode groups (the KV import blocks the loop for the transfer);
+5. step every ready engine that has work once, and deliver the events.
+
+A group that is not ready is never stepped (its executor would block waiting for the restart).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+
+from cluster.fleet_config import FleetConfig
+from cluster.fleet_request import FleetRequest
+from cluster.kv_transport import KVTransferFailed, KVTransport
+from cluster.rank import GroupState
+from cluster.router import GroupLoad, Router
+from worker.engine import Engine, RequestEvent
+from worker.request import Request, RequestRejected
+
+log = logging.getLogger(__name__)
+
+
+class GroupSlot:
+    """One group of the fleet: its worker group, its engine and its role."""
+
+    def __init__(self, group_id: str, role: str, group, engine: Engine) -> None:
+        self.group_id, self.role, self.group, self.engine = group_id, role, group, engine
+        self.dead_since: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.group.state is GroupState.READY
+
+    def observe(self, now: float) -> None:
+        self.dead_since = (self.dead_since or now) if self.group.state is GroupState.DEAD else None
+
+    def lost(self, now: float, lost_after_s: float) -> bool:
+        """Dead and not coming back: restart is off, or it stayed dead past ``lost_after_s``."""
+        if self.group.state is not GroupState.DEAD:
+            return False
+        return not self.group.config.cluster.restart or (self.dead_since is not None
+                                                          and now - self.dead_since > lost_after_s)
+
+    def health_state(self, now: float, lost_after_s: float) -> str:
+        state = self.group.state
+        if state is GroupState.READY:
+            return "ready"
+        if self.lost(now, lost_after_s):
+            return "dead"
+        if self.group.restarts == 0:
+            return state.value  # first start: starting | capturing
+        return "degraded"  # dead or restarting after a failure
+
+    def unfinished(self) -> list[Request]:
+        s = self.engine.scheduler
+        return sorted(list(s.running) + list(s.waiting), key=lambda r: r.arrival)
+
+    def load(self) -> GroupLoad:
+        e = self.engine
+        reqs = self.unfinished()
+        prefill = sum(r.num_tokens - r.num_computed for r in reqs if r.prefilling)
+        decode = sum(max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens))
+                     for r in reqs) if self.role != "prefill" else 0
+        return GroupLoad(self.group_id, self.role, self.ready, e.num_free_pages, len(reqs),
+                         e.config.scheduler.max_running_requests, prefill + decode, e.max_model_len)
+
+
+class FleetLoop:
+    """State and steps of the loop thread (see the module docstring)."""
+
+    def __init__(self, config: FleetConfig, slots: list[GroupSlot], router: Router,
+                 transport: KVTransport | None, on_done) -> None:
+        self.config, self.slots, self.router, self.transport = config, slots, router, transport
+        self.on_done = on_done  # called with the request id when a request ends (any thread-side cleanup)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.requests: dict[str, FleetRequest] = {}
+        self.max_model_len = min(s.engine.max_model_len for s in slots)
+        self.handoff_limit = sum(s.engine.config.scheduler.max_running_requests for s in slots if s.role == "decode")
+        self.finished = 0
+        self.failed = 0
+        self.health: dict = {}
+        self.health_lock = threading.Lock()
+
+    # ----- the loop -----
+
+    def run(self, stop: threading.Event) -> None:
+        """Iterate until ``stop`` is set; then (or on a crash) end every request with an error."""
+        reason = "fleet is shutting down"
+        try:
+            while not stop.is_set():
+                if not self.run_once():
+                    self._wait_for_command(self.config.idle_poll_s)
+        except BaseException as e:
+            reason = f"fleet loop crashed: {type(e).__name__}: {e}"
+            raise
+        finally:
+            self._drain()
+            for fr in list(self.requests.values()):
+                self._end(fr, "error", reason)
+
+    def run_once(self) -> bool:
+        """One iteration; returns whether any engine stepped."""
+        now = time.monotonic()
+        self._drain()
+        self._watch_groups(now)
+        self._expire(now)
+        self._dispatch_prefill()
+        self._dispatch_handoffs()
+        stepped = self._step_all()
+        self._publish(now)
+        return stepped
+
+    def _wait_for_command(self, timeout_s: float) -> None:
+        try:
+            self._apply(self.commands.get(timeout=timeout_s))
+        except queue.Empty:
+            pass
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._apply(self.commands.get_nowait())
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind, arg = command
+        if kind == "submit":
+            self.requests[arg.request_id] = arg
+            self.router.queue.append(arg)
+        elif kind == "abort":
+            fr = self.requests.get(arg)
+            if fr is not None:
+                self._end(fr, "abort")
+
+    # ----- ending and moving requests -----
+
+    def _detach(self, fr: FleetRequest) -> None:
+        """Take ``fr`` out of wherever it is (freeing its pages there)."""
+        slot = fr.slot
+        if slot is not None:
+            slot.engine.abort(fr.request_id)
+            slot.engine.release(fr.request_id)
+            fr.slot = None
+        fr.payload = None
+        for q in (self.router.queue, self.router.handoffs):
+            if fr in q:
+                q.remove(fr)
+        if fr.holds_admission:
+            fr.holds_admission = False
+            self.router.gate.release()
+
+    def _end(self, fr: FleetRequest, reason: str, error: str | None = None, event: RequestEvent | None = None) -> None:
+        self._detach(fr)
+        self.requests.pop(fr.request_id, None)
+        if reason == "error":
+            self.failed += 1
+            log.warning("request %s ended with an error: %s", fr.request_id, error)
+        else:
+            self.finished += 1
+        fr.finish(reason, error, event)
+        self.on_done(fr.request_id)
+
+    def _requeue(self, fr: FleetRequest, why: str) -> None:
+        """Send ``fr`` back to prefill (its KV is gone), unless it has used up its attempts."""
+        self._detach(fr)
+        fr.moves += 1
+        fr.last_failure = why
+        if fr.attempts >= self.config.max_attempts:
+            self._end(fr, "error", f"request failed {fr.attempts} times and was given up "
+                                   f"(fleet max_attempts={self.config.max_attempts}); last failure: {why}")
+        else:
+            self.router.queue.appendleft(fr)
+
+    # ----- groups -----
+
+    def _watch_groups(self, now: float) -> None:
+        for slot in self.slots:
+            slot.observe(now)
+            if slot.ready:
+                continue
+            moved = [self.requests[r.request_id] for r in slot.unfinished() if r.request_id in self.requests]
+            if slot.role != "colocated":
+                # The KV of every request in this group went with it: re-prefill them (oldest first).
+                why = f"group {slot.group_id} failed: {slot.group.last_error}"
+                for fr in reversed(moved):
+                    self._requeue(fr, why)
+                if moved:
+                    log.warning("%d requests moved off %s (%s)", len(moved), slot.group_id, why)
+            elif slot.lost(now, self.config.lost_after_s):
+                for fr in moved:
+                    self._end(fr, "error", f"group {slot.group_id} is dead and not restarting: {slot.group.last_error}")
+        self._fail_unservable(now)
+
+    def _role_lost(self, role: str, now: float) -> str | None:
+        """Why no group of ``role`` can serve again (None while one is ready or restarting)."""
+        slots = [s for s in self.slots if s.role == role]
+        if not slots or not all(s.lost(now, self.config.lost_after_s) for s in slots):
+            return None
+        return f"no {role} group is available: " + "; ".join(
+            f"{s.group_id} is dead ({s.group.last_error})" for s in slots)
+
+    def _fail_unservable(self, now: float) -> None:
+        first = "prefill" if self.config.disaggregated else "colocated"
+        queued = self._role_lost(first, now) or (self._role_lost("decode", now) if self.config.disaggregated else None)
+        for fr in list(self.router.queue) if queued else ():
+            self._end(fr, "error", queued)
+        waiting = self._role_lost("decode", now) if self.config.disaggregated else None
+        for fr in list(self.router.handoffs) if waiting else ():
+            self._end(fr, "error", waiting)
+
+    def _expire(self, now: float) -> None:
+        for fr in list(self.requests.values()):
+            deadline = fr.deadline
+            if deadline is not None and now > deadline:
+                self._end(fr, "error", f"deadline exceeded: not finished {fr.timeout_s:g}s after submission "
+                                       f"({len(fr.output_ids)} tokens generated)")
+
+    # ----- dispatch -----
+
+    def _dispatch_prefill(self) -> None:
+        if not self.router.queue or len(self.router.handoffs) >= max(1, self.handoff_limit):
+            return
+        slots = {s.group_id: s for s in self.slots if s.role in ("prefill", "colocated")}
+        loads = [s.load() for s in slots.values()]
+        while self.router.queue:
+            fr = self.router.queue[0]
+            load = self.router.pick_prefill(loads, fr)
+            if load is None:
+                return
+            self.router.queue.popleft()
+            slot = slots[load.group_id]
+            export = functools.partial(self._export, slot, fr) if slot.role == "prefill" else None
+            try:
+                slot.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
+                                  output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
+            except RequestRejected as e:
+                self._end(fr, "error", f"rejected by group {slot.group_id}: {e}")
+                continue
+            fr.slot = slot
+            fr.attempts += 1
+            if fr.holds_admission:
+                fr.holds_admission = False
+                self.router.gate.release()
+            self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
+
+    def _export(self, slot: GroupSlot, fr: FleetRequest, req: Request) -> None:
+        # Runs inside the prefill engine's step, before the request's pages are freed; must not raise.
+        try:
+            fr.payload = self.transport.export(slot.group, list(req.pages), req.num_computed)
+        except Exception as e:  # noqa: BLE001 (any failure means: re-prefill this request)
+            fr.payload = None
+            fr.last_failure = f"KV export from {slot.group_id} failed: {e}"
+
+    def _dispatch_handoffs(self) -> None:
+        if not self.router.handoffs:
+            return
+        slots = {s.group_id: s for s in self.slots if s.role == "decode"}
+        loads = [s.load() for s in slots.values()]
+        while self.router.handoffs:
+            fr = self.router.handoffs[0]
+            load = self.router.pick_decode(loads, fr)
+            if load is None:
+                return
+            self.router.handoffs.popleft()
+            slot, payload = slots[load.group_id], fr.payload
+            fr.payload = None
+            import_kv = functools.partial(self._import, slot, payload)
+            try:
+                slot.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
+                                                  request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
+            except KVTransferFailed as e:
+                self._requeue(fr, str(e))
+                continue
+            except RequestRejected as e:
+                self._end(fr, "error", f"rejected by group {slot.group_id}: {e}")
+                continue
+            fr.slot = slot
+            self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
+
+    def _import(self, slot: GroupSlot, payload, pages: list[int]) -> int:
+        return self.transport.import_(slot.group, pages, payload, self.config.handoff_timeout_s)
+
+    # ----- stepping -----
+
+    def _step_all(self) -> bool:
+        stepped = False
+        for slot in self.slots:
+            if not slot.ready or not slot.engine.has_unfinished():
+                continue
+            before = len(slot.engine.step_stats)
+            events = slot.engine.step()
+            stepped = stepped or bool(events) or len(slot.engine.step_stats) != before
+            for ev in events:
+                self._on_event(slot, ev)
+        return stepped
+
+    def _on_event(self, slot: GroupSlot, ev: RequestEvent) -> None:
+        fr = self.requests.get(ev.request_id)
+        if fr is None:  # ended meanwhile (cannot happen: ends detach from the engine first)
+            slot.engine.release(ev.request_id)
+            return
+        if ev.finish_reason == "handoff":
+            slot.engine.release(ev.request_id)
+            fr.slot = None
+            fr.deliver(RequestEvent(ev.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
+            if fr.payload is None:
+                self._requeue(fr, fr.last_failure or f"KV export from {slot.group_id} failed")
+            else:
+                self.router.handoffs.append(fr)
+        elif ev.finished:
+            error = slot.engine.errors.get(ev.request_id) if ev.finish_reason == "error" else None
+            slot.engine.release(ev.request_id)
+            fr.slot = None
+            final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error)
+            self._end(fr, ev.finish_reason, error, final)
+        else:
+            fr.deliver(ev)
+
+    # ----- health -----
+
+    def _publish(self, now: float) -> None:
+        groups = {}
+        for s in self.slots:
+            g = s.group
+            groups[s.group_id] = {
+                "role": s.role, "state": s.health_state(now, self.config.lost_after_s), "phase": g.state.value,
+                "tp_size": g.config.cluster.tp_size, "generation": g.health()["generation"], "restarts": g.restarts,
+                "last_error": g.last_error, "num_pages": s.engine.allocator.num_usable,
+                "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
+            }
+        states = {v["state"] for v in groups.values()}
+        roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.slots})
+        status = "dead" if roles_lost else "ready" if states == {"ready"} else \
+            "starting" if states <= {"ready", "starting", "capturing"} else "degraded"
+        snapshot = {"status": status, "mode": self.config.mode, "groups": groups,
+                    "queued": len(self.router.queue), "handoffs": len(self.router.handoffs),
+                    "in_flight": len(self.requests), "finished": self.finished, "failed": self.failed}
+        with self.health_lock:
+            self.health = snapshot
