@@ -1,0 +1,345 @@
+"""The fleet on a real local Ray (CPU, gloo, debug runner path): hand-off, routing, failures.
+
+Outputs are compared token for token with the in-process :class:`Engine` on the same checkpoint.
+Fleets are module-scoped and shared by the tests that need the same layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from cluster.fleet import Fleet  # noqa: E402
+from cluster.fleet_config import FleetConfig  # noqa: E402
+from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
+from cluster.router import AdmissionGate, Overloaded  # noqa: E402
+from deploy.config import ConfigError, load_config  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
+from worker.worker import Worker  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _config(path, *extra):
+    return load_config(None, [f"model.path={path}", "model.device=cpu", "graphs.debug=true", "cache.num_pages=128",
+                              "scheduler.max_running_requests=8", "scheduler.chunked_prefill_size=512",
+                              "graphs.prefill.max_tokens=512", "graphs.decode.max_batch_size=8",
+                              "cluster.step_timeout_s=60", "cluster.start_timeout_s=120", *extra])
+
+
+def _prompts(n, seed=0, lo=3, hi=60):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(10, 1000, (k,), generator=g).tolist() for k in lengths]
+
+
+def _wait_until(predicate, timeout_s, what):
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.02)
+
+
+def _pages_back(fleet):
+    groups = fleet.health()["groups"]
+    return all(g["free_pages"] == g["num_pages"] and g["requests"] == 0 for g in groups.values())
+
+
+def _collect(stream):
+    """Consume a stream: (token ids, text, final event)."""
+    tokens, text, last = [], "", None
+    for ev in stream:
+        tokens += ev.token_ids
+        text += ev.text
+        last = ev
+    return tokens, text, last
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=16, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint_dir):
+    return checkpoint_dir("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    """``reference(prompts, params)`` -> outputs of the in-process engine."""
+    engine = Engine(_config(path))
+    return lambda prompts, params=GREEDY: engine.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_local, path):
+    fleet = Fleet.start(_config(path), mode="disaggregated", name="dis", max_queued_requests=64)
+    yield fleet
+    fleet.shutdown()
+
+
+# ----- no Ray -----
+
+def test_config_transport_and_gate_errors_are_clear(path):
+    cfg = _config(path)
+    with pytest.raises(ConfigError, match="fleet.decode_tp_size: KV hand-off needs equal tp sizes: "
+                                          "prefill_tp_size=2, decode_tp_size=1"):
+        FleetConfig.from_config(cfg, mode="disaggregated", prefill_tp_size=2, decode_tp_size=1)
+    with pytest.raises(ConfigError, match="unknown fleet option 'num_groups'"):
+        FleetConfig.from_config(cfg, num_groups=2)
+    with pytest.raises(KVTransportUnavailable, match="kv_transport='nccl' is not available: this build has only "
+                                                     "object_store"):
+        create_transport("nccl")
+    with pytest.raises(KVTransportUnavailable, match="unknown kv_transport 'smoke'"):
+        create_transport("smoke")
+    fc = FleetConfig.from_config(cfg, mode="disaggregated", num_decode_groups=2, name="x")
+    assert fc.groups() == [("x-p0", "prefill"), ("x-d0", "decode"), ("x-d1", "decode")]
+    assert fc.role_config(cfg, "prefill").graphs.capture == "prefill"
+    assert fc.role_config(cfg, "decode").graphs.capture == "decode"
+    assert fc.role_config(cfg, "colocated").graphs.capture == "both"
+    gate = AdmissionGate(2)
+    gate.acquire()
+    gate.acquire()
+    with pytest.raises(Overloaded, match=r"2 requests already waiting .*max_queued_requests=2.*retry later"):
+        gate.acquire()
+    gate.release()
+    gate.acquire()
+
+
+def test_kv_pages_export_import_roundtrip(path):
+    src, dst = Worker.local(_config(path)), Worker.local(_config(path))
+    src.kv_cache.kv.normal_()
+    payload = export_pages(src, [3, 5, 9])
+    assert payload.shape == kv_layout(src).payload_shape(3) == (4, 3, 2, 16, 2, 64)
+    import_pages(dst, [7, 2, 4], payload)
+    for a, b in ((3, 7), (5, 2), (9, 4)):
+        assert torch.equal(dst.kv_cache.kv[:, b], src.kv_cache.kv[:, a])
+    assert not dst.kv_cache.kv[:, 1].any()
+    with pytest.raises(KVPagesError, match=r"page 0 outside \[1, 128\) \(page 0 is the dummy page\)"):
+        export_pages(src, [0])
+    with pytest.raises(KVPagesError, match="does not fit 2 pages"):
+        import_pages(dst, [1, 2], payload)
+    with pytest.raises(KVPagesError, match="dtype torch.float16 differs"):
+        import_pages(dst, [1, 2, 3], payload.half())
+
+
+# ----- equality with the in-process engine -----
+
+@pytest.mark.timeout(180)
+def test_colocated_matches_engine(ray_local, path, reference):
+    prompts = _prompts(6, seed=1)
+    with Fleet.start(_config(path), name="colo") as fleet:
+        assert list(fleet.health()["groups"]) == ["colo-c0"]
+        outs = fleet.generate(prompts, GREEDY, timeout_s=120)
+    for got, want in zip(outs, reference(prompts)):
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "length")
+
+
+@pytest.mark.timeout(180)
+def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
+    health = disagg.health()
+    assert health["status"] == "ready"
+    assert {g: v["role"] for g, v in health["groups"].items()} == {"dis-p0": "prefill", "dis-d0": "decode"}
+    prompts = _prompts(6, seed=2)
+    outs = disagg.generate(prompts, GREEDY, timeout_s=120)
+    for got, want in zip(outs, reference(prompts)):
+        assert (got.token_ids, got.text, got.finish_reason, got.error) == (want.token_ids, want.text, "length", None)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=1234, ignore_eos=True, logprobs=True)
+    got, want = disagg.generate(prompts[:3], seeded, timeout_s=120), reference(prompts[:3], seeded)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(len(o.logprobs) == 10 for o in got)
+    assert [x for o in got for x in o.logprobs] == pytest.approx([x for o in want for x in o.logprobs], abs=1e-4)
+
+    async def consume():
+        return [ev async for ev in disagg.astream(prompts[0], GREEDY, timeout_s=60)]
+
+    events = asyncio.run(consume())
+    assert [t for ev in events for t in ev.token_ids] == outs[0].token_ids and events[-1].finished
+    assert [ev.finished for ev in events].count(True) == 1
+
+
+@pytest.mark.timeout(240)
+def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
+    prompts = _prompts(5, seed=3)
+    with Fleet.start(_config(path), mode="disaggregated", prefill_tp_size=2, decode_tp_size=2, name="tp2") as fleet:
+        assert {v["tp_size"] for v in fleet.health()["groups"].values()} == {2}
+        outs = fleet.generate(prompts, GREEDY, timeout_s=120)
+        _wait_until(lambda: _pages_back(fleet), 30, "pages back on both tp2 groups")
+    for got, want in zip(outs, reference(prompts)):
+        assert got.token_ids == want.token_ids and got.text == want.text
+
+
+# ----- concurrency and the router -----
+
+@pytest.mark.timeout(240)
+def test_64_concurrent_streams_complete_and_pages_return(disagg, reference):
+    prompts = _prompts(64, seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in reference(prompts, params)]
+    start = disagg.health()["groups"]
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda p: _collect(disagg.stream(p, params, timeout_s=180, wait_s=120)), prompts))
+    assert [r[0] for r in results] == expected
+    assert all(r[2].finished and r[2].finish_reason == "length" for r in results)
+    _wait_until(lambda: _pages_back(disagg), 30, "every page back after 64 streams")
+    end = disagg.health()["groups"]
+    assert {g: v["free_pages"] for g, v in end.items()} == {g: v["free_pages"] for g, v in start.items()}
+
+
+@pytest.mark.timeout(180)
+def test_router_overload_deadline_and_abort_free_pages(disagg):
+    long = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+    prompt = _prompts(1, seed=5)[0]
+    # Overload: the queue holds 64 new requests; a few more are taken by the groups meanwhile.
+    handles = []
+    with pytest.raises(Overloaded, match=r"fleet overloaded: 64 requests already waiting for a group "
+                                         r"\(max_queued_requests=64\); retry later"):
+        for _ in range(200):
+            handles.append(disagg.submit(prompt, long, timeout_s=120))
+    assert 64 <= len(handles) <= 64 + 3 * 8
+    assert all(h.abort() for h in handles)
+    assert {h.result(wait_s=60).finish_reason for h in handles} == {"abort"}
+    _wait_until(lambda: _pages_back(disagg), 30, "pages back after aborting the overload")
+
+    # Deadline: the request ends with a clear error and its pages are freed.
+    out = disagg.submit(prompt, long, timeout_s=1.0).result(wait_s=60)
+    assert out.finish_reason == "error"
+    assert out.error.startswith("deadline exceeded: not finished 1s after submission (")
+    _wait_until(lambda: _pages_back(disagg), 30, "pages back after a deadline")
+
+    # Abort while decoding: the decode group held its pages until then.
+    handle = disagg.submit(prompt, long, timeout_s=120)
+    events = handle.events(wait_s=60)
+    for _ in range(3):
+        next(events)
+    assert disagg.health()["groups"]["dis-d0"]["requests"] == 1
+    assert handle.abort()
+    assert handle.result(wait_s=60).finish_reason == "abort"
+    _wait_until(lambda: _pages_back(disagg), 30, "pages back on both sides after abort in decode")
+    # Abort right away (prefill of a long prompt, or its hand-off): both sides still end clean.
+    handle = disagg.submit(_prompts(1, seed=6, lo=1200, hi=1300)[0], long, timeout_s=120)
+    assert handle.abort()
+    assert handle.result(wait_s=60).finish_reason == "abort"
+    _wait_until(lambda: _pages_back(disagg), 30, "pages back on both sides after abort in prefill")
+    assert not disagg.abort("no-such-request")
+
+
+# ----- failures -----
+
+def _open_streams(fleet, prompts, params):
+    """Start one consumer thread per prompt; returns (threads, results by index)."""
+    results: dict[int, tuple] = {}
+    progress = [0] * len(prompts)
+
+    def consume(i):
+        tokens, last = [], None
+        for ev in fleet.stream(prompts[i], params, timeout_s=240, wait_s=180):
+            tokens += ev.token_ids
+            progress[i] = len(tokens)
+            last = ev
+        results[i] = (tokens, last)
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads, results, progress
+
+
+def _join(threads, timeout_s):
+    end = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.1, end - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+
+
+def _watch_health(fleet, stop):
+    seen = set()
+
+    def poll():
+        while not stop.is_set():
+            h = fleet.health()
+            seen.add(h["status"])
+            seen.update(f"{g}:{v['state']}" for g, v in h["groups"].items())
+            time.sleep(0.01)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    return seen, t
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_killed_group_requests_complete_after_restart(disagg, reference, role):
+    print("T start", time.monotonic()); prompts = _prompts(16, seed=7 if role == "decode" else 8)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in reference(prompts, params)]
+    gid = "dis-d0" if role == "decode" else "dis-p0"
+    group = disagg.group(gid)
+    restarts = group.restarts
+    victim = group.rank_actors()[0]
+    stop = threading.Event()
+    seen, poller = _watch_health(disagg, stop)
+    threads, results, progress = _open_streams(disagg, prompts, params)
+    if role == "decode":  # kill once requests are decoding on it
+        _wait_until(lambda: sum(p >= 2 for p in progress) >= 4, 60, "streams decoding")
+    print("T kill", time.monotonic()); ray.kill(victim, no_restart=True)
+    _join(threads, 200); print("T joined", time.monotonic())
+    # The next request needs the group (recovered by now, or restarting): it succeeds.
+    print("T again", time.monotonic()); again = disagg.generate([prompts[0]], params, timeout_s=120)[0]
+    print("T again done", time.monotonic()); stop.set()
+    poller.join(5)
+    completed = [i for i, (tokens, last) in results.items() if last.finish_reason == "length"]
+    failed = [i for i, (tokens, last) in results.items() if last.finish_reason == "error"]
+    assert len(results) == 16 and len(completed) == 16 and failed == []
+    assert [results[i][0] for i in range(16)] == expected
+    assert again.token_ids == expected[0] and again.error is None
+    assert group.restarts == restarts + 1
+    assert "rank died" in group.last_error
+    assert f"{gid}:degraded" in seen and "degraded" in seen
+    _wait_until(lambda: disagg.health()["status"] == "ready" and _pages_back(disagg), 60, "fleet ready again")
+
+
+@pytest.mark.timeout(240)
+def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_local, path, reference):
+    prompts = _prompts(16, seed=9)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in reference(prompts, params)]
+    with Fleet.start(_config(path, "cluster.restart=false"), mode="disaggregated", num_decode_groups=2,
+                     name="two") as fleet:
+        d0, d1 = fleet.group("two-d0"), fleet.group("two-d1")
+        threads, results, progress = _open_streams(fleet, prompts, params)
+        _wait_until(lambda: sum(p >= 2 for p in progress) >= 4, 60, "streams decoding")
+        ray.kill(d0.rank_actors()[0], no_restart=True)
+        _join(threads, 200)
+        # Every request completed: those on d0 were re-prefilled and continued on d1.
+        assert [results[i][1].finish_reason for i in range(16)] == ["length"] * 16
+        assert [results[i][0] for i in range(16)] == expected
+        health = fleet.health()
+        assert health["groups"]["two-d0"]["state"] == "dead" and health["status"] == "degraded"
+
+        # Now the last decode group dies: open requests end with a clear error, none hangs.
+        threads, results, progress = _open_streams(fleet, prompts[:8], params)
+        _wait_until(lambda: sum(p >= 2 for p in progress) >= 2, 60, "streams decoding on d1")
+        ray.kill(d1.rank_actors()[0], no_restart=True)
+        _join(threads, 120)
+        reasons = [results[i][1].finish_reason for i in range(8)]
+        failed = [results[i][1] for i in range(8) if reasons[i] == "error"]
+        assert len(failed) >= 1 and reasons.count("length") + len(failed) == 8
+        for ev in failed:
+            assert ev.error.startswith("no decode group is available: two-d0 is dead (a rank died")
+        _wait_until(lambda: fleet.health()["status"] == "dead", 30, "fleet status dead")
+        late = fleet.generate([prompts[0]], params, timeout_s=60)[0]
+        assert late.finish_reason == "error" and "no decode group is available" in late.error
