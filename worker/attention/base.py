@@ -105,12 +105,23 @@ class AttentionBackend(ABC):
     def plan(self, batch: AttentionBatch) -> None:
         """Write ``batch``'s metadata into this backend's buffers (host side, outside graphs)."""
 
-    @abstractmethod
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store ``k, v`` (tokens, kv_heads, head_dim) into the cache and attend.
 
         ``q`` is (tokens, q_heads, head_dim); returns (tokens, q_heads, head_dim).
         """
+        self.store(layer, k, v)
+        out = torch.empty_like(q)
+        self.attend(layer, q, out)
+        return out
+
+    @abstractmethod
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's ``k, v`` at the planned slots (graph-safe for every backend)."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention of ``q`` over the cache as planned, written into ``out`` (same shape as ``q``)."""
 
     def graph_safe(self, is_prefill: bool) -> bool:
         """Whether ``run`` for this phase may be recorded inside a CUDA graph."""

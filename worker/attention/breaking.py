@@ -9,18 +9,18 @@ from worker.attention.base import AttentionBackend
 
 
 @eager_break
-def _attention_break(backend: AttentionBackend, layer: int, out: torch.Tensor, q: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-    # q, k, v and out are boundary buffers: produced/consumed by the neighbouring segments at
-    # fixed addresses; the result is written in place.
-    out.copy_(backend.run(layer, q, k, v))
+def _attention_break(backend: AttentionBackend, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+    # q and out are boundary buffers: written/read by the neighbouring segments at fixed
+    # addresses; the attention result is written into out in place.
+    backend.attend(layer, q, out)
 
 
 class BreakingAttention:
-    """Wraps a backend so that every ``run`` is an eager break between graph segments.
+    """Wraps a backend so that attention is an eager break between graph segments.
 
-    Planning still happens outside the graph before replay; the break re-runs ``run`` eagerly
-    on every replay, so attention kernels need not be graph-safe.
+    The KV write (graph-safe for every backend) stays in the segment before the break; only the
+    attention itself runs eagerly, on every replay, with the metadata planned before the replay,
+    so attention kernels need not be graph-safe.
     """
 
     def __init__(self, backend: AttentionBackend) -> None:
@@ -28,6 +28,7 @@ class BreakingAttention:
         self.name = f"{backend.name}+break"
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.backend.store(layer, k, v)
         out = torch.empty_like(q)
-        _attention_break(self.backend, layer, out, q, k, v)
+        _attention_break(self.backend, layer, q, out)
         return out

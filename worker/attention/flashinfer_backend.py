@@ -256,26 +256,28 @@ class FlashInferBackend(AttentionBackend):
         self._active = wrapper
         self._num_tokens = toks
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Append ``k, v`` at the planned slots, then attend; returns ``(tokens, q_heads, head_dim)``.
-
-        Rows past the planned query tokens (tail padding) are left unspecified. Inside a capture
-        the planned wrapper must be a :meth:`graph_wrapper` one (eager wrappers reallocate their
-        metadata on every ``plan``, so a graph would keep reading freed memory).
-        """
-        tokens = q.shape[0]
-        if self._active is None or tokens != self._num_tokens:
-            raise RuntimeError(f"run() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
-        if not self._active.is_cuda_graph_enabled and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("capturing flashinfer attention for a shape without graph_wrapper(); "
-                               "create it and re-plan before capture")
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k, v`` at the planned slots (one fused kernel; graph-safe)."""
+        tokens = k.shape[0]
+        if tokens != self._num_tokens:
+            raise RuntimeError(f"store() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
         cache = self.kv_cache.layer(layer)
         self._fi.page.append_paged_kv_cache(
             k.to(cache.dtype), v.to(cache.dtype), self._append_batch[:tokens], self.slots[:tokens], cache,
             self._append_pages, self._append_indptr, self._append_last, "NHD")
-        out = torch.empty((tokens, self.shape.num_q_heads, self.shape.head_dim), dtype=q.dtype, device=q.device)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Attend with the planned wrapper into ``out``; rows past the planned query tokens (tail
+        padding) are left unspecified. Inside a capture the planned wrapper must be a
+        :meth:`graph_wrapper` one (eager wrappers reallocate their metadata on every ``plan``, so a
+        graph would keep reading freed memory)."""
+        tokens = q.shape[0]
+        if self._active is None or tokens != self._num_tokens:
+            raise RuntimeError(f"attend() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
+        if not self._active.is_cuda_graph_enabled and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("capturing flashinfer attention for a shape without graph_wrapper(); "
+                               "create it and re-plan before capture")
         if self._num_q > 0:
-            self._active.run(q[: self._num_q], cache, out=out[: self._num_q])
+            self._active.run(q[: self._num_q], self.kv_cache.layer(layer), out=out[: self._num_q])
         elif torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the capture batch has no query tokens, so no attention kernel would be recorded")
-        return out

@@ -60,13 +60,12 @@ class TorchAttentionBackend(AttentionBackend):
         self.seq_lens[: batch.num_rows].copy_(torch.tensor(batch.seq_lens, dtype=torch.int64))
         self._decode_width = max((len(p) for p in batch.page_tables), default=1)
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        tokens = q.shape[0]
-        self.kv_cache.store(layer, self.slots[:tokens], k, v)
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv_cache.store(layer, self.slots[: k.shape[0]], k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         cache = self.kv_cache.layer(layer)
-        if self._is_prefill:
-            return self._prefill(cache, q)
-        return self._decode(cache, q)
+        out.copy_(self._prefill(cache, q) if self._is_prefill else self._decode(cache, q))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # q (rows, q_len, Hq, D); k, v (rows, ctx, Hkv, D); mask (rows, q_len, ctx) True = keep
