@@ -159,6 +159,11 @@ class Fleet:
                                   [groups[g] for g, r in layout if r == "decode"], config.cluster.start_timeout_s)
             slots = [GroupSlot(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
                      for gid, role in layout]
+            # Every engine stops sequences at the fleet's shortest limit, so where a request runs
+            # (and where it moves after a failure) never changes where it ends.
+            max_len = min(s.engine.max_model_len for s in slots)
+            for s in slots:
+                s.engine.max_model_len = max_len
         except BaseException:
             _shutdown_groups(list(groups.values()))
             raise
@@ -274,31 +279,17 @@ class Fleet:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout_s: float | None = None,
                wait_s: float | None = None) -> Iterator[RequestEvent]:
-        """Yield the request's events; the last has ``finished``. Closing the iterator aborts it.
+        """Submit now (so ``Overloaded`` raises here) and return an iterator of the request's events.
 
+        The last event has ``finished``; closing the iterator early aborts the request.
         ``timeout_s`` is the request's deadline, ``wait_s`` bounds each wait for an event.
         """
-        handle = self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s)
-        try:
-            yield from handle.events(wait_s)
-        finally:
-            if not handle.finished:
-                handle.abort()
+        return _events(self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s), wait_s)
 
-    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                      request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestEvent]:
-        """:meth:`stream` for asyncio: waits for events in a worker thread, never blocking the event loop."""
-        handle = self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s)
-        events = handle.events()
-        try:
-            while True:
-                event = await asyncio.to_thread(next, events, None)
-                if event is None:
-                    return
-                yield event
-        finally:
-            if not handle.finished:
-                handle.abort()
+    def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestEvent]:
+        """:meth:`stream` for asyncio: events are awaited in a worker thread, never blocking the event loop."""
+        return _aevents(self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s))
 
     # ----- observation -----
 
@@ -323,6 +314,27 @@ class Fleet:
     @property
     def group_ids(self) -> list[str]:
         return [s.group_id for s in self.slots]
+
+
+def _events(handle: RequestHandle, wait_s: float | None) -> Iterator[RequestEvent]:
+    try:
+        yield from handle.events(wait_s)
+    finally:
+        if not handle.finished:
+            handle.abort()
+
+
+async def _aevents(handle: RequestHandle) -> AsyncIterator[RequestEvent]:
+    events = handle.events()
+    try:
+        while True:
+            event = await asyncio.to_thread(next, events, None)
+            if event is None:
+                return
+            yield event
+    finally:
+        if not handle.finished:
+            handle.abort()
 
 
 def _check_kv_layouts(prefill: list[FleetWorkerGroup], decode: list[FleetWorkerGroup], timeout_s: float) -> None:

@@ -46,7 +46,7 @@ class FleetConfig:
     max_attempts: int = 3
     handoff_timeout_s: float = 60.0
     lost_after_s: float = 60.0
-    idle_poll_s: float = 0.01
+    idle_poll_s: float = 0.02
     name: str | None = None
 
     def __post_init__(self) -> None:

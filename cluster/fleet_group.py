@@ -10,12 +10,7 @@ from cluster.rank import GroupUnavailable
 
 
 class FleetWorkerGroup(WorkerGroup):
-    """A :class:`WorkerGroup` of :class:`FleetRankActor` ranks, tagged with its fleet role.
-
-    ``rank_actor_cls`` is the actor class the group starts once ``cluster/group.py`` reads it (see
-    cluster/DESIGN.md, "Fleet"); until then the ranks are plain ``RankActor`` and
-    :func:`cluster.fleet_rank.rank_call` reaches the same per-rank functions through ``__ray_call__``.
-    """
+    """A :class:`WorkerGroup` of :class:`FleetRankActor` ranks, tagged with its fleet role."""
 
     rank_actor_cls = FleetRankActor
 

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class _Incarnation:
     """One started set of rank actors and their placement group."""
 
-    def __init__(self, group_id: str, generation: int, config: Config, role: str) -> None:
+    def __init__(self, group_id: str, generation: int, config: Config, role: str, actor_cls=RankActor) -> None:
         self.group_id, self.generation, self.config, self.role = group_id, generation, config, role
+        self.actor_cls = actor_cls
         self.actors: list = []
         self.pg = None
 
@@ -47,7 +48,7 @@ class _Incarnation:
         except GetTimeoutError:
             raise GroupUnavailable(f"placement group for {tp} ranks x {bundle} not ready after "
                                    f"{c.start_timeout_s:.0f}s: the cluster lacks those resources") from None
-        actor_cls = ray.remote(RankActor)
+        actor_cls = ray.remote(self.actor_cls)
         config_dict = self.config.to_dict()
         for rank in range(tp):
             info = RankInfo(self.group_id, self.generation, rank, tp, self.role)
@@ -112,6 +113,8 @@ def _use_gpus(config: Config) -> bool:
 class WorkerGroup:
     """A self-healing tensor-parallel group of rank actors (the engine's executor)."""
 
+    rank_actor_cls = RankActor  #: the actor class of each rank; subclasses add per-rank methods
+
     def __init__(self, config: Config, group_id: str = "g0", role: str = "colocated") -> None:
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialized: call ray.init(...) (tests: _node_ip_address='127.0.0.1')")
@@ -143,7 +146,7 @@ class WorkerGroup:
             self._cond.notify_all()
 
     def _start(self) -> None:
-        inc = _Incarnation(self.group_id, self._generation, self.config, self.role)
+        inc = _Incarnation(self.group_id, self._generation, self.config, self.role, self.rank_actor_cls)
         self._set_state(GroupState.STARTING)
         try:
             fixed = self.num_pages if self._generation > 0 else None

@@ -88,8 +88,7 @@ class Router:
 
     def pick_decode(self, loads: Iterable[GroupLoad], request: FleetRequest) -> GroupLoad | None:
         """The decode group to receive ``request``'s KV now, or None to let it wait."""
-        fits = [g for g in loads if g.role == "decode" and request.num_tokens < g.max_model_len
-                and self._fits(g, request.num_tokens - 1)]
+        fits = [g for g in loads if g.role == "decode" and self._fits(g, request.num_tokens - 1)]
         return min(fits, key=lambda g: (g.outstanding_tokens, g.running, g.group_id), default=None)
 
     def assign(self, load: GroupLoad, request: FleetRequest, num_kv_tokens: int, tokens: int) -> None:

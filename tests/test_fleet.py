@@ -7,6 +7,7 @@ Fleets are module-scoped and shared by the tests that need the same layout.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,9 @@ ray = pytest.importorskip("ray")
 
 from cluster.fleet import Fleet  # noqa: E402
 from cluster.fleet_config import FleetConfig  # noqa: E402
+from cluster.fleet_request import FleetRequest  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
-from cluster.router import AdmissionGate, Overloaded  # noqa: E402
+from cluster.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
 from deploy.config import ConfigError, load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
@@ -80,8 +82,13 @@ def path(checkpoint_dir):
 @pytest.fixture(scope="module")
 def reference(path):
     """``reference(prompts, params)`` -> outputs of the in-process engine."""
+    # One intra-op thread, like the rank actors: on a busy 2-core machine two threads oversubscribe
+    # the cores and the in-process reference runs an order of magnitude slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine = Engine(_config(path))
-    return lambda prompts, params=GREEDY: engine.generate(prompts, params)
+    yield lambda prompts, params=GREEDY: engine.generate(prompts, params)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +141,51 @@ def test_kv_pages_export_import_roundtrip(path):
         import_pages(dst, [1, 2], payload)
     with pytest.raises(KVPagesError, match="dtype torch.float16 differs"):
         import_pages(dst, [1, 2, 3], payload.half())
+
+
+def test_router_picks_least_loaded_ready_group_with_pages():
+    router = Router(page_size=16, max_queued_requests=4)
+    req = FleetRequest("r", [1] * 40, GREEDY, 0, None)  # 3 pages of KV
+    loads = [GroupLoad("p0", "prefill", True, 100, 2, 8, 500, 2032),
+             GroupLoad("p1", "prefill", True, 100, 1, 8, 100, 2032),
+             GroupLoad("p2", "prefill", False, 100, 0, 8, 0, 2032),  # not ready
+             GroupLoad("p3", "prefill", True, 4, 2, 8, 0, 2032),  # 4 free - 3 needed < 2 running (headroom)
+             GroupLoad("d0", "decode", True, 100, 0, 8, 0, 2032)]
+    assert router.pick_prefill(loads, req).group_id == "p1"
+    router.assign(loads[1], req, req.num_tokens, 1000)
+    assert router.pick_prefill(loads, req).group_id == "p0"
+    assert router.pick_decode(loads, req).group_id == "d0"
+    loads[4].running = 8  # full
+    assert router.pick_decode(loads, req) is None
+
+
+def test_engine_hands_off_to_another_engine_token_for_token(path, reference):
+    """The engine half of the hand-off, in-process: admit(on_first_token) -> export -> add_prefilled_request."""
+    prompts = _prompts(3, seed=11)
+    want = reference(prompts)
+    pre, dec = Engine(_config(path)), Engine(_config(path))
+    free = pre.num_free_pages
+    payloads = {}
+
+    def export(req):
+        payloads[req.request_id] = (export_pages(pre.worker, req.pages), list(req.output_ids))
+
+    for i, p in enumerate(prompts):
+        pre.admit(p, GREEDY, seed=i, request_id=f"r{i}", on_first_token=export)
+    handed = [ev for _ in range(10) for ev in pre.step()]
+    assert [ev.finish_reason for ev in handed] == ["handoff"] * 3 and pre.num_free_pages == free
+    with pytest.raises(RuntimeError, match="link down"):
+        dec.add_prefilled_request(prompts[0], payloads["r0"][1], GREEDY, seed=0, request_id="r0",
+                                  import_kv=lambda pages: (_ for _ in ()).throw(RuntimeError("link down")))
+    assert dec.num_free_pages == free and "r0" not in dec.requests
+    for i, p in enumerate(prompts):
+        payload, out = payloads[f"r{i}"]
+        dec.add_prefilled_request(p, out, GREEDY, seed=i, request_id=f"r{i}",
+                                  import_kv=functools.partial(import_pages, dec.worker, payload=payload))
+    while dec.has_unfinished():
+        dec.step()
+    assert [dec.output(f"r{i}").token_ids for i in range(3)] == [o.token_ids for o in want]
+    assert [dec.output(f"r{i}").text for i in range(3)] == [o.text for o in want]
 
 
 # ----- equality with the in-process engine -----
@@ -210,6 +262,8 @@ def test_router_overload_deadline_and_abort_free_pages(disagg):
         for _ in range(200):
             handles.append(disagg.submit(prompt, long, timeout_s=120))
     assert 64 <= len(handles) <= 64 + 3 * 8
+    with pytest.raises(Overloaded):
+        disagg.stream(prompt, long)  # raises at the call, before any iteration
     assert all(h.abort() for h in handles)
     assert {h.result(wait_s=60).finish_reason for h in handles} == {"abort"}
     _wait_until(lambda: _pages_back(disagg), 30, "pages back after aborting the overload")

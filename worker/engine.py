@@ -184,7 +184,8 @@ class Engine:
         ``len(output_ids)`` exactly as it would have in one engine. With ``on_first_token``, the
         request is handed off after that token: unless it finishes there (stop, EOS, length),
         ``on_first_token(request)`` runs while its pages still hold the KV of every token but the
-        new one, then it finishes here with reason ``handoff`` (its text is not flushed).
+        new one (it must copy them or order its copy before the next step, and must not raise),
+        then the request finishes here with reason ``handoff`` (its text is not flushed).
         """
         req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
         self._register(req)
@@ -192,13 +193,6 @@ class Engine:
             self._handoffs[request_id] = on_first_token
         self.scheduler.add(req)
         return request_id
-
-    def can_admit_prefilled(self, num_tokens: int) -> bool:
-        """Whether :meth:`add_prefilled_request` of a request with ``num_tokens`` tokens fits now."""
-        running = self.scheduler.running
-        need = -(-(num_tokens - 1) // self.config.cache.page_size)
-        return (len(running) < self.config.scheduler.max_running_requests
-                and self.allocator.num_free - need >= len(running) and num_tokens < self.max_model_len)
 
     def add_prefilled_request(self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
                               *, seed: int, request_id: str, import_kv: Callable[[list[int]], object],
