@@ -19,6 +19,7 @@ import torch
 from graphs.backends import GraphBackend
 from graphs.metrics import GraphMetrics
 from graphs.runner import GraphRunner
+from graphs.tokens import StaticTokens
 
 
 class DecodeStep(Protocol):
@@ -54,14 +55,12 @@ class LiveDecodeBatch:
 class DecodeBuffers:
     """Static inputs and the one max-size output of the decode runner (fixed addresses)."""
 
-    input_ids: torch.Tensor  # (max_bs,) int64
-    positions: torch.Tensor  # (max_bs,) int64
+    tokens: StaticTokens  # (max_bs,) ids and positions
     logits: torch.Tensor  # (max_bs, vocab) float32
 
     @classmethod
     def allocate(cls, max_rows: int, vocab: int, device: torch.device) -> DecodeBuffers:
-        return cls(torch.zeros(max_rows, dtype=torch.int64, device=device),
-                   torch.zeros(max_rows, dtype=torch.int64, device=device),
+        return cls(StaticTokens.allocate(max_rows, device),
                    torch.zeros((max_rows, vocab), dtype=torch.float32, device=device))
 
 
@@ -80,11 +79,9 @@ class DecodeGraphRunner(GraphRunner[LiveDecodeBatch, torch.Tensor]):
         return batch.size
 
     def capture_callable(self, size: int) -> Callable[[], None]:
-        b = self.buffers
-        b.input_ids[:size].zero_()
-        b.positions[:size].zero_()
+        ids, pos = self.buffers.tokens.views(size)
+        out = self.buffers.logits[:size]
         self.step.plan_dummy(size)
-        ids, pos, out = b.input_ids[:size], b.positions[:size], b.logits[:size]
 
         def forward() -> None:
             out.copy_(self.step.forward(ids, pos))
@@ -92,12 +89,7 @@ class DecodeGraphRunner(GraphRunner[LiveDecodeBatch, torch.Tensor]):
         return forward
 
     def load(self, batch: LiveDecodeBatch, size: int) -> None:
-        n, b = batch.size, self.buffers
-        b.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        b.positions[:n].copy_(batch.positions, non_blocking=True)
-        if size > n:
-            b.input_ids[n:size].zero_()
-            b.positions[n:size].zero_()
+        self.buffers.tokens.load(batch.input_ids, batch.positions, size)
         self.step.plan(batch.attention, size)
 
     def outputs(self, batch: LiveDecodeBatch) -> torch.Tensor:

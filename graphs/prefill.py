@@ -20,6 +20,7 @@ from graphs.backends import GraphBackend
 from graphs.buckets import BucketChoice, choose_bucket
 from graphs.metrics import GraphMetrics
 from graphs.runner import GraphRunner
+from graphs.tokens import StaticTokens
 
 
 def default_prefill_ladder(ceiling: int, smallest: int = 64) -> list[int]:
@@ -73,14 +74,12 @@ class LivePrefillBatch:
 class PrefillBuffers:
     """Static inputs and the one max-size hidden-state output of the prefill runner."""
 
-    input_ids: torch.Tensor  # (max_tokens,) int64
-    positions: torch.Tensor  # (max_tokens,) int64
+    tokens: StaticTokens  # (max_tokens,) ids and positions
     hidden: torch.Tensor  # (max_tokens, hidden)
 
     @classmethod
     def allocate(cls, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> PrefillBuffers:
-        return cls(torch.zeros(max_tokens, dtype=torch.int64, device=device),
-                   torch.zeros(max_tokens, dtype=torch.int64, device=device),
+        return cls(StaticTokens.allocate(max_tokens, device),
                    torch.zeros((max_tokens, hidden), dtype=dtype, device=device))
 
 
@@ -114,11 +113,9 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
         return choice
 
     def capture_callable(self, size: int) -> Callable[[], None]:
-        b = self.buffers
-        b.input_ids[:size].zero_()
-        b.positions[:size].zero_()
+        ids, pos = self.buffers.tokens.views(size)
+        out = self.buffers.hidden[:size]
         self.step.plan_dummy(size, self.slots)
-        ids, pos, out = b.input_ids[:size], b.positions[:size], b.hidden[:size]
 
         def forward() -> None:
             out.copy_(self.step.forward_hidden(ids, pos))
@@ -126,12 +123,7 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
         return forward
 
     def load(self, batch: LivePrefillBatch, size: int) -> None:
-        n, b = batch.num_tokens, self.buffers
-        b.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        b.positions[:n].copy_(batch.positions, non_blocking=True)
-        if size > n:
-            b.input_ids[n:size].zero_()
-            b.positions[n:size].zero_()
+        self.buffers.tokens.load(batch.input_ids, batch.positions, size)
         self.step.plan(batch.attention, size, self.slots)
 
     def outputs(self, batch: LivePrefillBatch) -> torch.Tensor:

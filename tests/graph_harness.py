@@ -24,17 +24,22 @@ def fill_cache_randomly(own: OwnModel, seed: int = 0) -> None:
     own.cache.kv.normal_(generator=g)
 
 
-def random_decode_batch(own: OwnModel, rng: random.Random, size: int, max_context: int) -> RandomDecodeBatch:
-    """``size`` rows with random context lengths on distinct random pages (page 0 excluded)."""
+def random_tables(own: OwnModel, rng: random.Random, seq_lens: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Page tables on distinct random pages (page 0, the dummy page, excluded), and all pages used."""
     ps = own.page_size
-    seq_lens = [rng.randint(1, max_context) for _ in range(size)]
-    need = sum(-(-s // ps) for s in seq_lens)
-    pages = rng.sample(range(1, own.cache.num_pages), need)
+    pages = rng.sample(range(1, own.cache.num_pages), sum(-(-s // ps) for s in seq_lens))
     tables, at = [], 0
     for s in seq_lens:
         n = -(-s // ps)
         tables.append(pages[at:at + n])
         at += n
+    return tables, pages
+
+
+def random_decode_batch(own: OwnModel, rng: random.Random, size: int, max_context: int) -> RandomDecodeBatch:
+    """``size`` rows with random context lengths on distinct random pages."""
+    seq_lens = [rng.randint(1, max_context) for _ in range(size)]
+    tables, _ = random_tables(own, rng, seq_lens)
     device = own.cache.device
     ids = torch.tensor([rng.randrange(3, own.arch.vocab_size) for _ in range(size)], device=device)
     pos = torch.tensor([s - 1 for s in seq_lens], device=device)
@@ -56,17 +61,10 @@ class RandomPrefillBatch:
 def random_prefill_batch(own: OwnModel, rng: random.Random, requests: int, max_new: int,
                          max_prefix: int = 0) -> RandomPrefillBatch:
     """``requests`` rows each appending 1..max_new tokens after a cached prefix of 0..max_prefix."""
-    ps = own.page_size
     prefix = [rng.randint(0, max_prefix) for _ in range(requests)]
     new = [rng.randint(1, max_new) for _ in range(requests)]
     seq_lens = [p + n for p, n in zip(prefix, new)]
-    need = sum(-(-s // ps) for s in seq_lens)
-    pages = rng.sample(range(1, own.cache.num_pages), need)
-    tables, at = [], 0
-    for s in seq_lens:
-        k = -(-s // ps)
-        tables.append(pages[at:at + k])
-        at += k
+    tables, pages = random_tables(own, rng, seq_lens)
     device = own.cache.device
     ids = torch.tensor([rng.randrange(3, own.arch.vocab_size) for _ in range(sum(new))], device=device)
     pos = torch.tensor([p + i for p, n in zip(prefix, new) for i in range(n)], device=device)

@@ -93,8 +93,8 @@ def test_debug_backend_equals_eager_exactly(own):
         if pad == 0:
             assert torch.equal(got, ref_live)
         assert rel_err(got, ref_live) <= 1e-5
-        assert not runner.buffers.input_ids[n:choice.size].any()
-        assert not runner.buffers.positions[n:choice.size].any()
+        assert not runner.buffers.tokens.input_ids[n:choice.size].any()
+        assert not runner.buffers.tokens.positions[n:choice.size].any()
 
 
 def test_padding_rows_write_only_the_dummy_page(own):

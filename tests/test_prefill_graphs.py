@@ -99,7 +99,7 @@ def test_debug_prefill_equals_eager(own):
         got = runner.execute(batch.live, choice)
         assert torch.equal(got, ref_padded)
         assert rel_err(got, ref_live) <= 1e-5
-        assert not runner.buffers.input_ids[n:size].any() and not runner.buffers.positions[n:size].any()
+        assert not runner.buffers.tokens.input_ids[n:size].any() and not runner.buffers.tokens.positions[n:size].any()
 
 
 def test_sentinels_and_padding_write_nothing_outside_live_pages(own):

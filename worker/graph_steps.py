@@ -20,27 +20,38 @@ def pad_decode_batch(batch: AttentionBatch, rows: int) -> AttentionBatch:
                           batch.page_tables + [dummy] * pad, rows)
 
 
-class ModelDecodeStep:
-    """Decode step of a :class:`LlamaForCausalLM` over an attention backend.
+class _ModelStep:
+    """A model and its attention backend as one phase's graph step.
 
-    ``breakable=True`` routes attention through eager breaks; otherwise attention runs inside
-    the graph, and backends with CUDA-graph wrappers (flashinfer) get one per captured size.
+    ``breakable=True`` routes attention through eager breaks (:class:`BreakingAttention`);
+    otherwise attention is recorded in the graph, and backends with CUDA-graph wrappers
+    (flashinfer) get one per captured shape.
     """
 
     def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, breakable: bool) -> None:
         self.model = model
         self.attention = attention
         self.breakable = breakable
-        self.vocab_size = model.arch.vocab_size
         self.device = model.device
         self._forward_attention = BreakingAttention(attention) if breakable else attention
+
+    def _graph_wrapper(self, *shape) -> None:
+        if not self.breakable and hasattr(self.attention, "graph_wrapper"):
+            self.attention.graph_wrapper(*shape)
+
+
+class ModelDecodeStep(_ModelStep):
+    """Decode step (body and LM head) of a :class:`LlamaForCausalLM`."""
+
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, breakable: bool) -> None:
+        super().__init__(model, attention, breakable)
+        self.vocab_size = model.arch.vocab_size
 
     def plan(self, attention: AttentionBatch, padded_rows: int) -> None:
         self.attention.plan(pad_decode_batch(attention, padded_rows))
 
     def plan_dummy(self, rows: int) -> None:
-        if not self.breakable and hasattr(self.attention, "graph_wrapper"):
-            self.attention.graph_wrapper(False, rows)
+        self._graph_wrapper(False, rows)
         self.attention.plan(pad_decode_batch(AttentionBatch.decode([], []), rows))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -70,31 +81,25 @@ def dummy_prefill_batch(tokens: int, slots: int, page_size: int) -> AttentionBat
     return pad_prefill_batch(row, tokens, slots)
 
 
-class ModelPrefillStep:
-    """Prefill step (body only) of a :class:`LlamaForCausalLM` over an attention backend.
+class ModelPrefillStep(_ModelStep):
+    """Prefill step (body only) of a :class:`LlamaForCausalLM`.
 
-    ``breakable=True`` runs attention (and so its host-dependent work) as eager breaks; otherwise
-    attention is recorded in the graph, which needs a backend whose prefill ``run`` is
-    graph-safe (flashinfer: one CUDA-graph wrapper per captured (slots, tokens) shape).
+    Recording attention in the graph (``breakable=False``) needs a backend whose prefill
+    attention is graph-safe (flashinfer); breakable runs it, and its host-dependent work, eagerly.
     """
 
     def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, breakable: bool) -> None:
         if not breakable and not attention.graph_safe(True):
             raise ValueError(f"graphs.prefill.backend=full needs a graph-safe prefill attention backend; "
                              f"attention.backend={attention.name} is not (use graphs.prefill.backend=breakable)")
-        self.model = model
-        self.attention = attention
-        self.breakable = breakable
+        super().__init__(model, attention, breakable)
         self.hidden_size = model.arch.hidden_size
-        self.device = model.device
-        self._forward_attention = BreakingAttention(attention) if breakable else attention
 
     def plan(self, attention: AttentionBatch, tokens: int, slots: int) -> None:
         self.attention.plan(pad_prefill_batch(attention, tokens, slots))
 
     def plan_dummy(self, tokens: int, slots: int) -> None:
-        if not self.breakable and hasattr(self.attention, "graph_wrapper"):
-            self.attention.graph_wrapper(True, slots, tokens)
+        self._graph_wrapper(True, slots, tokens)
         self.attention.plan(dummy_prefill_batch(tokens, slots, self.attention.kv_cache.page_size))
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
