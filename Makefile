@@ -10,7 +10,7 @@ CACHE ?= $(HOME)/.cache/graphfleet
 # The GPU machine has no network: test-gpu and bench run from the checkout with its python3.
 GPU_PY ?= python3
 
-.PHONY: help run test test-gpu bench lint install
+.PHONY: help run test test-gpu bench lint install stamp
 
 help:
 	@echo "make run       generate the tiny-llama checkpoint (once) and run a batch generation"
@@ -45,6 +45,11 @@ test-gpu:
 
 bench:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) bench/engine.py
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) bench/decode.py --peers hf --repeats 10
+
+# The GPU machine's copy has no .git: record the commit for bench JSON (carry .graphfleet-commit).
+stamp:
+	git rev-parse HEAD > .graphfleet-commit
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

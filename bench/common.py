@@ -18,13 +18,17 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def commit() -> str:
+    """The commit being measured: $GRAPHFLEET_COMMIT, git, or ``.graphfleet-commit`` at the repo root
+    (the GPU machine's copy has no .git: write that file with ``make stamp`` and carry it)."""
     if os.environ.get("GRAPHFLEET_COMMIT"):
         return os.environ["GRAPHFLEET_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+                              cwd=root).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        stamp = root / ".graphfleet-commit"
+        return stamp.read_text().strip() if stamp.is_file() else "unknown"
 
 
 def environment() -> dict:
