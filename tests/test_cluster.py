@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray  # noqa: E402 - a hard requirement: the cluster tests must not skip
 import torch
-
-ray = pytest.importorskip("ray")
 
 from cluster.group import WorkerGroup  # noqa: E402
 from cluster.rank import GroupState  # noqa: E402

@@ -13,9 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray  # noqa: E402 - a hard requirement: the cluster tests must not skip
 import torch
-
-ray = pytest.importorskip("ray")
 
 from cluster.fleet import Fleet  # noqa: E402
 from cluster.fleet_config import FleetConfig  # noqa: E402
