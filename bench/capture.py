@@ -1,0 +1,110 @@
+"""Capture cost and memory of prefill graphs (GPU).
+
+1. Build time of the default ~40-shape prefill ladder up to the chunked-prefill size, per
+   backend (breakable, full; tc_piecewise is not built and is reported so).
+2. Memory above the no-graph baseline after one prefill of exactly the chunk size, with
+   prefill graphs captured up to 1/4, 1/2 and 1x the chunk: below 1x the largest chunk still
+   runs eagerly and keeps its activation peak; at 1x it replays inside graph memory.
+   Each configuration runs in a fresh process (peaks are per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+
+
+def one(path: Path, chunk: int, ceiling: int | None, backend: str) -> dict:
+    """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill."""
+    from graphs.backends import create_backend
+    from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
+    from worker.attention.base import AttentionBatch
+    from worker.attention.factory import create_attention_backend
+    from worker.graph_steps import ModelPrefillStep
+    from worker.kv_cache import KVCacheShape, PagedKVCache
+    from worker.model.kernels import select_kernels
+    from worker.model.loader import load_model
+
+    cuda = torch.device("cuda")
+    model, arch = load_model(path, torch.bfloat16, cuda, kernels=select_kernels(cuda))
+    pages = chunk // 16 + 2
+    shape = model.attention_shape
+    cache = PagedKVCache(KVCacheShape(arch.num_layers, pages, 16, shape.num_kv_heads, arch.head_dim),
+                         torch.bfloat16, cuda)
+    attention = create_attention_backend("flashinfer", shape, cache, max(1, chunk // 512), chunk, pages)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    build = None
+    runner = None
+    if ceiling is not None:
+        step = ModelPrefillStep(model, attention, breakable=backend == "breakable")
+        runner = PrefillGraphRunner(step, create_backend(backend, cuda), default_prefill_ladder(ceiling),
+                                    max(1, chunk // 512), 2.0, None, torch.bfloat16)
+        start = time.perf_counter()
+        runner.capture_all(progress=False)
+        build = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(10, arch.vocab_size, (chunk,), device="cuda")
+    pos = torch.arange(chunk, device="cuda")
+    from graphs.prefill import LivePrefillBatch
+
+    live = LivePrefillBatch(ids, pos, AttentionBatch.prefill([chunk], [chunk], [list(range(1, pages - 1))]), 1)
+    choice = runner.decide(live) if runner is not None else None
+    if choice is not None and choice.replays:
+        runner.execute(live, choice)
+        mode = "graph"
+    else:
+        attention.plan(live.attention)
+        model(ids, pos, attention)
+        mode = "eager"
+    torch.cuda.synchronize()
+    return {"backend": backend, "ceiling": ceiling, "mode": mode, "build_s": build,
+            "shapes": len(runner.ladder) if runner else 0,
+            "above_baseline_bytes": torch.cuda.max_memory_reserved() - base}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tinyllama-1.1b")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    path = ensure_checkpoint(args.preset, Path(args.checkpoints))
+    if args.one:
+        backend, ceiling = args.one.split(":")
+        print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend)))
+        return
+    runs = [("none", "none")] + [(b, str(args.chunk)) for b in ("breakable", "full")] + \
+        [("breakable", str(args.chunk * f // 4)) for f in (1, 2)]
+    rows = []
+    for backend, ceiling in runs:
+        res = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--chunk", str(args.chunk),
+                              "--checkpoints", args.checkpoints, "--one", f"{backend}:{ceiling}"],
+                             capture_output=True, text=True, timeout=900, check=False)
+        lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+        rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling,
+                                                           "error": res.stderr[-500:]})
+    baseline = next((r["above_baseline_bytes"] for r in rows if r.get("backend") == "none"), None)
+    for r in rows:
+        if "above_baseline_bytes" in r:
+            r["GiB_above_model"] = r["above_baseline_bytes"] / 2**30
+            r["vs_no_graph"] = r["above_baseline_bytes"] / baseline if baseline else None
+    rows.append({"backend": "tc_piecewise", "ceiling": args.chunk, "error": "not built"})
+    print_table(rows, ["backend", "ceiling", "mode", "shapes", "build_s", "GiB_above_model", "vs_no_graph"])
+    print(f"wrote {write_results('capture', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Prefill step time: eager vs breakable vs full prefill graphs vs the Meta library, one request.
+
+One request at a time, one output token, decode graphs off, prompt lengths 64..2048 (each a
+captured shape, so no padding), presets tinyllama-1.1b and llama-3-8b in bf16 with flashinfer.
+Peer: Meta's ``breakable-cuda-graphs`` 0.1.0 wrapping our same model with the same break
+(attention after the in-graph KV write). ``tc_piecewise`` is reported as not built.
+Timing: wall clock around host planning, replay and the LM head on the last token, with a
+device sync, median of ``--repeats`` after warm-up; all variants in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.decode import timed  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+from graphs.backends import create_backend  # noqa: E402
+from graphs.prefill import LivePrefillBatch, PrefillGraphRunner  # noqa: E402
+from worker.attention.base import AttentionBatch  # noqa: E402
+from worker.attention.factory import create_attention_backend  # noqa: E402
+from worker.graph_steps import ModelPrefillStep, pad_prefill_batch  # noqa: E402
+from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
+from worker.model.kernels import select_kernels  # noqa: E402
+from worker.model.loader import load_model  # noqa: E402
+
+CUDA = torch.device("cuda")
+SLOTS = 4
+
+
+class Setup:
+    def __init__(self, path: Path, ceiling: int) -> None:
+        self.model, self.arch = load_model(path, torch.bfloat16, CUDA, kernels=select_kernels(CUDA))
+        self.pages = -(-ceiling // 16) + 1
+        shape = self.model.attention_shape
+        self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, self.pages + 1, 16, shape.num_kv_heads,
+                                               self.arch.head_dim), torch.bfloat16, CUDA)
+        self.attention = create_attention_backend("flashinfer", shape, self.cache, SLOTS, ceiling, self.pages)
+
+    def batch(self, n: int) -> LivePrefillBatch:
+        g = torch.Generator().manual_seed(n)
+        ids = torch.randint(10, self.arch.vocab_size, (n,), generator=g).cuda()
+        pos = torch.arange(n, device="cuda")
+        pages = list(range(1, 1 + -(-n // 16)))
+        return LivePrefillBatch(ids, pos, AttentionBatch.prefill([n], [n], [pages]), 1)
+
+
+def eager(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float]:
+    out = {}
+    for n in lengths:
+        live = setup.batch(n)
+
+        def step():
+            setup.attention.plan(pad_prefill_batch(live.attention, n, SLOTS))
+            hidden = setup.model(live.input_ids, live.positions, setup.attention)
+            return setup.model.compute_logits(hidden[-1:])
+
+        out[n] = timed(step, repeats)
+    return out
+
+
+def graphs(setup: Setup, backend: str, lengths: list[int], repeats: int) -> tuple[dict[int, float], float]:
+    step = ModelPrefillStep(setup.model, setup.attention, breakable=backend == "breakable")
+    runner = PrefillGraphRunner(step, create_backend(backend, CUDA), lengths, SLOTS, 2.0, None, torch.bfloat16)
+    summary = runner.capture_all(progress=False)
+    if runner.failed:
+        raise RuntimeError(f"{backend}: {next(iter(runner.failed.values()))}")
+    out = {}
+    for n in lengths:
+        live = setup.batch(n)
+        choice = runner.decide(live)
+        out[n] = timed(lambda: setup.model.compute_logits(runner.execute(live, choice)[-1:]), repeats)
+    runner.release()
+    return out, summary.seconds
+
+
+def meta_peer(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float] | str:
+    """The same model and break under Meta's breakable-cuda-graphs 0.1.0."""
+    try:
+        import breakable_cuda_graphs as bcg
+    except ImportError as e:
+        return f"not installed: {e}"
+    attention = setup.attention
+
+    @bcg.no_graph
+    def attend(layer, q, out):
+        attention.attend(layer, q, out)
+
+    class MetaBreaks:
+        def run(self, layer, q, k, v):
+            attention.store(layer, k, v)
+            out = torch.empty_like(q)
+            attend(layer, q, out)
+            return out
+
+    out = {}
+    stream = torch.cuda.Stream()
+    for n in lengths:
+        live = setup.batch(n)
+        ids, pos = live.input_ids.clone(), live.positions.clone()
+        hidden = torch.empty((n, setup.arch.hidden_size), dtype=torch.bfloat16, device="cuda")
+        attention.plan(pad_prefill_batch(live.attention, n, SLOTS))
+        breaks = MetaBreaks()
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                hidden.copy_(setup.model(ids, pos, breaks))
+        torch.cuda.synchronize()
+        graph = bcg.BreakableCUDAGraph()
+        with bcg.breakable_graph(graph, stream=stream):
+            hidden.copy_(setup.model(ids, pos, breaks))
+
+        def step():
+            attention.plan(pad_prefill_batch(live.attention, n, SLOTS))
+            graph.replay()
+            return setup.model.compute_logits(hidden[-1:])
+
+        out[n] = timed(step, repeats)
+        graph.reset()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="tinyllama-1.1b,llama-3-8b")
+    ap.add_argument("--lengths", default="64,128,256,512,1024,2048")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    rows, capture = [], {}
+    for preset in args.presets.split(","):
+        setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(lengths))
+        e = eager(setup, lengths, args.repeats)
+        b, b_build = graphs(setup, "breakable", lengths, args.repeats)
+        f, f_build = graphs(setup, "full", lengths, args.repeats)
+        m = meta_peer(setup, lengths, args.repeats)
+        capture[preset] = {"breakable_s": b_build, "full_s": f_build}
+        for n in lengths:
+            r = {"preset": preset, "tokens": n, "eager_ms": e[n] * 1e3, "breakable_ms": b[n] * 1e3,
+                 "full_ms": f[n] * 1e3, "meta_ms": m[n] * 1e3 if isinstance(m, dict) else None,
+                 "tc_piecewise_ms": None, "full_x": e[n] / f[n], "breakable_x": e[n] / b[n]}
+            if isinstance(m, dict):
+                r["breakable_over_meta"] = b[n] / m[n]
+            rows.append(r)
+        del setup
+        gc.collect()
+        torch.cuda.empty_cache()
+    print_table(rows, ["preset", "tokens", "eager_ms", "breakable_ms", "full_ms", "meta_ms", "full_x", "breakable_x",
+                       "breakable_over_meta"])
+    payload = {"env": environment(), "rows": rows, "capture": capture, "args": vars(args),
+               "tc_piecewise": "not built (graphs.prefill.backend=tc_piecewise raises at start-up)"}
+    print(f"wrote {write_results('prefill', payload)}")
+
+
+if __name__ == "__main__":
+    main()
