@@ -74,15 +74,19 @@ class FleetConfig:
 
     @classmethod
     def from_config(cls, config: Config, **options) -> FleetConfig:
-        """Defaults from ``config`` (cluster.mode, cluster.tp_size, scheduler.max_waiting_requests),
-        then ``options`` (field names of this class)."""
+        """Defaults from ``config`` (the ``cluster`` section, ``serve.request_timeout_s``,
+        ``scheduler.max_waiting_requests``), then ``options`` (field names of this class)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(f"unknown fleet option {unknown[0]!r}; known: {', '.join(sorted(known))}",
                               key=f"fleet.{unknown[0]}")
-        base = {"mode": config.cluster.mode, "prefill_tp_size": config.cluster.tp_size,
-                "decode_tp_size": config.cluster.tp_size,
+        c = config.cluster
+        base = {"mode": c.mode, "num_prefill_groups": c.num_prefill_groups, "num_decode_groups": c.num_decode_groups,
+                "prefill_tp_size": c.prefill_tp_size or c.tp_size, "decode_tp_size": c.decode_tp_size or c.tp_size,
+                "kv_transport": c.kv_transport, "handoff_timeout_s": c.handoff_timeout_s,
+                "lost_after_s": c.lost_after_s, "max_attempts": c.max_attempts,
+                "request_timeout_s": config.serve.request_timeout_s,
                 "max_queued_requests": config.scheduler.max_waiting_requests}
         return cls(**{**base, **options})
 

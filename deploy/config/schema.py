@@ -21,6 +21,7 @@ DecodeBackend = Literal["full", "breakable", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
 CaptureMode = Literal["both", "decode", "prefill", "none"]
 ClusterMode = Literal["colocated", "disaggregated"]
+KVTransport = Literal["object_store", "nccl", "cuda_ipc"]
 
 
 def _check(ok: bool, key: str, reason: str) -> None:
@@ -295,6 +296,12 @@ class ClusterConfig(Section):
     restart: start a fresh group in the background when one dies.
     collectives_at_tp1: run the all-reduce even at tp_size 1 (a no-op on values) so one GPU can
         verify that NCCL collectives are captured inside graphs.
+    num_prefill_groups, num_decode_groups: groups per role when mode is disaggregated (>= 1).
+    prefill_tp_size, decode_tp_size: each role's tp degree; None = tp_size (equal for hand-off).
+    kv_transport: how KV moves from prefill to decode ranks ("object_store" is built).
+    handoff_timeout_s: bound on one KV import into a decode group (> 0).
+    lost_after_s: a dead group not back after this long is lost to its requests (> 0).
+    max_attempts: prefills a request may take before group failures end it with an error (>= 1).
     """
 
     mode: ClusterMode = "colocated"
@@ -304,12 +311,24 @@ class ClusterConfig(Section):
     gpus_per_rank: float = 1.0
     restart: bool = True
     collectives_at_tp1: bool = False
+    num_prefill_groups: int = 1
+    num_decode_groups: int = 1
+    prefill_tp_size: int | None = None
+    decode_tp_size: int | None = None
+    kv_transport: KVTransport = "object_store"
+    handoff_timeout_s: float = 60.0
+    lost_after_s: float = 60.0
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         _check_min(self.tp_size, "tp_size", 1)
         _check(self.step_timeout_s > 0, "step_timeout_s", f"must be > 0, got {self.step_timeout_s!r}")
         _check(self.start_timeout_s > 0, "start_timeout_s", f"must be > 0, got {self.start_timeout_s!r}")
         _check(0 < self.gpus_per_rank <= 1, "gpus_per_rank", f"must be in (0, 1], got {self.gpus_per_rank!r}")
+        for key in ("num_prefill_groups", "num_decode_groups", "prefill_tp_size", "decode_tp_size", "max_attempts"):
+            _check_min(getattr(self, key), key, 1)
+        for key in ("handoff_timeout_s", "lost_after_s"):
+            _check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)!r}")
 
 
 @dataclass(frozen=True)
@@ -320,17 +339,21 @@ class ServeConfig(Section):
     port: listen port (1..65535).
     api_key: required bearer token; None = no authentication.
     model_name: model name reported by the API; None = the checkpoint directory name.
+    request_timeout_s: default deadline of a request from submission; None = no deadline.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     model_name: str | None = None
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "must not be empty")
         _check(1 <= self.port <= 65535, "port", f"must be in 1..65535, got {self.port}")
         _check(self.api_key != "", "api_key", "must not be empty (use null to disable authentication)")
+        t = self.request_timeout_s
+        _check(t is None or t > 0, "request_timeout_s", f"must be > 0 or null, got {t!r}")
 
 
 @dataclass(frozen=True)
