@@ -1,4 +1,4 @@
-"""The ``graphfleet`` command line: ``make-checkpoint``, ``generate``, ``demo``, ``profile export``.
+"""The ``graphfleet`` command line: ``make-checkpoint``, ``generate``, ``demo``, ``profile export``, ``serve``.
 
 No work happens at import time; every subcommand imports what it needs.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 
@@ -115,6 +116,66 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_healthy(url: str, timeout_s: float) -> None:
+    """Poll the app's ``/health`` until 200; SystemExit with its body if the fleet died or time ran out."""
+    import urllib.error
+    import urllib.request
+
+    end, body = time.monotonic() + timeout_s, ""
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=10):
+                return
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            if '"dead"' in body:
+                raise SystemExit(f"graphfleet serve: the fleet failed to start: {body}") from None
+        except OSError as e:
+            body = str(e)
+        time.sleep(0.5)
+    raise SystemExit(f"graphfleet serve: not healthy after {timeout_s:g}s: {body}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start an embedded local Ray, the fleet and the OpenAI-compatible API; block until Ctrl-C."""
+    import ray
+    from ray import serve
+
+    from deploy.serve_app import OpenAIIngress, build_config
+
+    config = build_config({"config": args.config, "model": args.model, "overrides": args.set, "host": args.host,
+                           "port": args.port, "api_key": args.api_key})
+    if config.model.path is None:
+        raise SystemExit("give --model DIR (or model.path in --config)")
+    host, port = config.serve.host, config.serve.port
+
+    def _stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)  # a supervisor's stop shuts the fleet down like Ctrl-C
+    ray.init(_node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
+             include_dashboard=False, ignore_reinit_error=True)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(OpenAIIngress.bind(config.to_dict(), {}), name="graphfleet", route_prefix="/", blocking=False)
+        from pathlib import Path
+
+        shown = "127.0.0.1" if host == "0.0.0.0" else host
+        _wait_healthy(f"http://{shown}:{port}/health", config.cluster.start_timeout_s + 60)
+        name = config.serve.model_name or Path(config.model.path).name
+        auth = f" -H 'Authorization: Bearer {config.serve.api_key}'" if config.serve.api_key else ""
+        print(f"graphfleet serving {name!r} at http://{shown}:{port}/v1 (Ctrl-C stops). Try:\n"
+              f"  curl http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphfleet", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
@@ -161,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     _config_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API on an embedded local Ray Serve")
+    p.add_argument("--model", help="checkpoint directory (default: model.path of --config)")
+    p.add_argument("--host", help="listen address (default: serve.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default: serve.port, 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: serve.api_key)")
+    _config_args(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,450 @@
+"""The OpenAI-compatible API on a real local Ray Serve (CPU), driven by the ``openai`` client.
+
+Greedy outputs are compared with the in-process :class:`Engine` on the same checkpoint; bad
+requests must get a 4xx with an OpenAI error body naming the problem, and leave the server healthy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import openai
+import pytest
+import ray
+import torch
+from ray import serve
+
+from cluster.fleet import Overloaded
+from deploy.config import load_config
+from deploy.serve_app import app_builder
+from worker.engine import Engine, RequestEvent, RequestOutput
+from worker.sampling.params import SamplingParams
+
+API_KEY = "sk-test-123"
+MAX_TOKENS = 8
+PROMPTS = ["The fleet of graphs sails at dawn and", "Hello"]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+OVERRIDES = ["model.device=cpu", "graphs.debug=true", "cache.num_pages=128", "scheduler.max_running_requests=8",
+             "scheduler.chunked_prefill_size=512", "graphs.prefill.max_tokens=512",
+             "graphs.decode.max_batch_size=8", "cluster.step_timeout_s=60", "cluster.start_timeout_s=120"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base: str, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        status, body, _ = _http("GET", f"{base}/health")
+        if status == 200:
+            return
+        assert status in (404, 503), (status, body)  # 404: Serve has no route yet
+        assert time.monotonic() < end, f"not healthy after {timeout_s}s: {status} {body}"
+        time.sleep(0.1)
+
+
+def _http(method: str, url: str, body: bytes | str | dict | None = None, headers: dict | None = None):
+    """(status, parsed JSON or text, headers) of one request; never raises on HTTP errors."""
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    if isinstance(body, str):
+        body = body.encode()
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw, hdrs = r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        status, raw, hdrs = e.code, e.read(), dict(e.headers)
+    try:
+        return status, json.loads(raw), hdrs
+    except ValueError:
+        return status, raw.decode(), hdrs
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint_dir):
+    return checkpoint_dir("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    """Base URL of a running app (colocated fleet, API key required)."""
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=16, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = app_builder({"model": str(path), "overrides": OVERRIDES, "api_key": API_KEY, "model_name": "tiny",
+                       "fleet": {"name": "srv"}})
+    serve.run(app, name="graphfleet", route_prefix="/", blocking=False)
+    _wait_healthy(f"http://127.0.0.1:{port}")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    """``reference(prompt_or_ids)`` -> the in-process engine's greedy output."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(load_config(None, [f"model.path={path}", *OVERRIDES]))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    yield lambda prompt: engine.generate([prompt], params)[0]
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def disagg_client(server, path):
+    """A client of a second app on the same Serve: a disaggregated 1 prefill + 1 decode fleet, no API key."""
+    app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
+                       "fleet": {"name": "sdis", "mode": "disaggregated"}})
+    serve.run(app, name="graphfleet-dis", route_prefix="/dis", blocking=False)
+    _wait_healthy(f"{server}/dis")
+    yield openai.OpenAI(base_url=f"{server}/dis/v1", api_key="unused", max_retries=0, timeout=120)
+    serve.delete("graphfleet-dis")
+
+
+def _chat_ids(path):
+    from worker.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(path)
+    return tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
+
+
+def test_health_is_open_and_ready(server):
+    status, body, _ = _http("GET", f"{server}/health")
+    assert status == 200, body
+    assert body["status"] == "ready" and all(s == "ready" for s in body["groups"].values())
+    status, text, _ = _http("GET", f"{server}/metrics")
+    assert status == 200 and "prompt_tokens" in text
+
+
+def test_api_key_required(server):
+    status, body, _ = _http("GET", f"{server}/v1/models")
+    assert status == 401 and "missing API key" in body["error"]["message"]
+    status, body, _ = _http("GET", f"{server}/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert status == 401 and body["error"]["message"] == "invalid API key"
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    status, body, _ = _http("GET", f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and body["data"][0]["id"] == "tiny"
+
+
+def test_completions_match_engine(client, reference):
+    for prompt in PROMPTS:
+        ref = reference(prompt)
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == MAX_TOKENS == len(ref.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + MAX_TOKENS
+
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+        assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_batched_prompts_n_and_logprobs(client, reference):
+    r = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, n=2,
+                                  logprobs=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    refs = [reference(p) for p in PROMPTS]
+    assert [c.text for c in r.choices] == [refs[0].text] * 2 + [refs[1].text] * 2
+    assert all(len(c.logprobs.token_logprobs) == MAX_TOKENS for c in r.choices)
+    assert r.usage.completion_tokens == 4 * MAX_TOKENS
+
+
+def test_chat_matches_engine(client, reference, path):
+    ref = reference(_chat_ids(path))
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == MAX_TOKENS
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_disaggregated_matches_engine(disagg_client, reference, path):
+    for prompt in PROMPTS:
+        ref = reference(prompt)
+        r = disagg_client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text and r.usage.completion_tokens == MAX_TOKENS
+        chunks = list(disagg_client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                       temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    ref = reference(_chat_ids(path))
+    r = disagg_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.text
+
+
+def test_sse_wire_format(server):
+    status, text, hdrs = _http("POST", f"{server}/v1/completions",
+                               {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True,
+                                "ignore_eos": True}, {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and hdrs["content-type"].startswith("text/event-stream")
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+BAD = [
+    # (body, expected status, substring of the message)
+    ("{not json", 400, "malformed JSON"),
+    ("[1, 2]", 400, "must be a JSON object"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens must be >= 1"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens is 1000000000"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, 400, "temperature must be >= 0"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ({"model": "tiny", "prompt": "hi", "n": 1000}, 400, "n must be in 1..16"),
+    ({"model": "tiny", "prompt": "hi " * 5000}, 400, "maximum context length"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
+    ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop[0] must be a non-empty string"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 5}, 400, "logprobs must be 0 or null"),
+]
+BAD_CHAT = [
+    ({"model": "tiny", "messages": []}, 400, "messages is empty"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"model": "tiny", "messages": "hello"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream: "),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages.0.content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400,
+     "temperature"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,needle",
+                         [("completions", *b) for b in BAD] + [("chat/completions", *b) for b in BAD_CHAT])
+def test_bad_input_gets_openai_error(server, route, body, status, needle):
+    got, err, _ = _http("POST", f"{server}/v1/{route}", body, {"Authorization": f"Bearer {API_KEY}"})
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert needle in err["error"]["message"], err
+
+
+def test_healthy_after_bad_input(server, client):
+    assert _http("GET", f"{server}/health")[0] == 200
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+
+
+def test_client_disconnect_aborts_stream(server):
+    """Closing a stream early aborts its request: the fleet is idle long before max_tokens could be reached."""
+    import http.client
+
+    models = _http("GET", f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})[1]
+    max_tokens = models["data"][0]["max_model_len"] - 8
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": max_tokens,
+                                                        "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    end = time.monotonic() + 30
+    while True:
+        metrics = _http("GET", f"{server}/metrics")[1]
+        if 'finish_reason="abort"' in metrics and _http("GET", f"{server}/health")[1]["in_flight"] == 0:
+            break
+        assert time.monotonic() < end, "the disconnected stream's request was not aborted"
+        time.sleep(0.1)
+    assert _http("GET", f"{server}/health")[0] == 200
+
+
+# ----- the app on a fake fleet (no Ray): overload, health phases, disconnect -----
+
+class _FakeHandle:
+    def __init__(self, fleet, rid: str, n: int, delay_s: float) -> None:
+        self.request_id, self._fleet, self._n, self._delay = rid, fleet, n, delay_s
+        self.finished, self._aborted, self._error = False, threading.Event(), fleet.error
+
+    def events(self, wait_s=None):
+        if self._error:
+            self.finished = True
+            yield RequestEvent(self.request_id, [], "", True, "error", error=self._error)
+            return
+        for i in range(self._n):
+            if self._aborted.wait(self._delay):
+                self.finished = True
+                yield RequestEvent(self.request_id, [], "", True, "abort")
+                return
+            last = i == self._n - 1
+            self.finished = last
+            yield RequestEvent(self.request_id, [7], "x", last, "length" if last else None)
+
+    def result(self, wait_s=None):
+        events = list(self.events())
+        ids = [e.token_ids[0] for e in events if e.token_ids]
+        return RequestOutput(self.request_id, [1], ids, "x" * len(ids), events[-1].finish_reason, None, 0,
+                             events[-1].error)
+
+    def abort(self) -> bool:
+        self._fleet.aborted.append(self.request_id)
+        self._aborted.set()
+        return True
+
+
+class _FakeFleet:
+    max_model_len, vocab_size = 64, 100
+
+    def __init__(self) -> None:
+        self.status, self.overloaded, self.delay_s, self.aborted, self.error = "ready", False, 0.0, [], None
+        self.ready = True
+        self._ids = itertools.count()
+
+    def health(self) -> dict:
+        phase = {"starting": "capturing", "degraded": "degraded"}.get(self.status, "ready")
+        return {"status": self.status, "groups": {"g0": {"state": phase}}, "queued": 0, "in_flight": 0}
+
+    def submit(self, ids, params, *, timeout_s=None):
+        if self.overloaded:
+            raise Overloaded("4 requests queued (max_queued_requests=4)")
+        return _FakeHandle(self, f"fake-{next(self._ids)}", params.max_tokens, self.delay_s)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """(fake fleet, base URL) of the app served by uvicorn in a thread."""
+    import uvicorn
+
+    from deploy.api import build_app
+    from deploy.config.schema import ServeConfig
+
+    fleet = _FakeFleet()
+    config = SimpleNamespace(serve=ServeConfig(model_name="fake"), model=SimpleNamespace(path="/models/fake"))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(fleet, None, config), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    end = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < end, "uvicorn did not start"
+        time.sleep(0.02)
+    yield fleet, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(10)
+
+
+def test_fake_health_phases(fake):
+    fleet, url = fake
+    fleet.status = "starting"
+    status, body, _ = _http("GET", f"{url}/health")
+    assert status == 503 and body["status"] == "starting" and body["groups"] == {"g0": "capturing"}
+    fleet.status = "degraded"
+    status, body, _ = _http("GET", f"{url}/health")
+    assert status == 200 and body["status"] == "degraded"
+    fleet.status = "dead"
+    assert _http("GET", f"{url}/health")[0] == 503
+    fleet.status, fleet.ready = "starting", False  # a StartingFleet before Fleet.start returns
+    status, body, headers = _http("POST", f"{url}/v1/completions", {"prompt": [1], "max_tokens": 2})
+    assert status == 503 and "not ready (starting)" in body["error"]["message"] and headers["retry-after"] == "1"
+    fleet.status, fleet.ready = "ready", True
+    assert _http("GET", f"{url}/health")[0] == 200
+
+
+def test_fake_overloaded_is_429_with_retry_after(fake):
+    fleet, url = fake
+    fleet.overloaded = True
+    try:
+        status, body, headers = _http("POST", f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert status == 429 and headers["retry-after"] == "1"
+        assert body["error"]["type"] == "rate_limit_error" and "overloaded" in body["error"]["message"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="fake", prompt=[1, 2], max_tokens=2)
+    finally:
+        fleet.overloaded = False
+    r = openai.OpenAI(base_url=f"{url}/v1", api_key="none").completions.create(model="fake", prompt=[1, 2],
+                                                                               max_tokens=3)
+    assert r.choices[0].text == "xxx" and r.usage.completion_tokens == 3 and r.usage.prompt_tokens == 2
+
+
+def test_fake_disconnect_aborts(fake):
+    import http.client
+
+    fleet, url = fake
+    fleet.delay_s = 0.05
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": [1], "max_tokens": 60, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        end = time.monotonic() + 10
+        while not fleet.aborted:
+            assert time.monotonic() < end, "the stream's request was not aborted on disconnect"
+            time.sleep(0.02)
+    finally:
+        fleet.delay_s = 0.0
+
+
+def test_fake_failed_request_is_5xx(fake):
+    fleet, url = fake
+    fleet.error = "request fake-9 passed its deadline (timeout_s=1.0)"
+    try:
+        status, body, _ = _http("POST", f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert status == 504 and "deadline" in body["error"]["message"], body
+        status, text, _ = _http("POST", f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True})
+        events = [e for e in text.split("\n\n") if e]
+        assert status == 200 and events[-1] == "data: [DONE]"
+        assert "deadline" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+    finally:
+        fleet.error = None
+
+
+def test_starting_fleet_reports_a_failed_start(server, path):
+    from deploy.serve_app import StartingFleet, build_config
+
+    starting = StartingFleet(build_config({"model": str(path), "overrides": OVERRIDES}), {"num_groups": 2})
+    starting.shutdown()  # waits for the start thread
+    h = starting.health()
+    assert not starting.ready and h["status"] == "dead" and "unknown fleet option 'num_groups'" in h["error"]
+
+
+def test_cli_serve_parses():
+    from deploy.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "/m", "--port", "9000", "--api-key", "k"])
+    assert (args.command, args.model, args.port, args.api_key, args.host) == ("serve", "/m", 9000, "k", None)
