@@ -13,14 +13,13 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,6 +27,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
+from deploy.errors import ApiError
+from deploy.streaming import (
+    Job,
+    abort_unfinished,
+    chat_logprobs,
+    chat_stream,
+    completion_logprobs,
+    completion_stream,
+    sse_response,
+)
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams, SamplingParamsError
 from worker.tokenizer import ChatTemplateError
@@ -40,33 +49,6 @@ __all__ = ["MAX_N", "ApiError", "build_app"]
 MAX_N = 16
 #: Seconds a client is told to wait after a 429.
 RETRY_AFTER_S = 1
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return p.ErrorResponse(error=info).model_dump()
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-@dataclass
-class _Job:
-    """One choice: its index, prompt length, and the fleet's handle."""
-
-    index: int
-    prompt_len: int
-    handle: Any
-    t0: float = 0.0
 
 
 def build_app(fleet, tokenizer, config) -> FastAPI:
@@ -172,11 +154,11 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         rid, t0 = p.new_id("cmpl"), p.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_completion_stream(fleet, jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
+            return sse_response(completion_stream(fleet, jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
                                            want_logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
-                                      logprobs=_completion_logprobs(tokenizer, o) if want_logprobs else None)
+                                      logprobs=completion_logprobs(tokenizer, o) if want_logprobs else None)
                    for j, o in zip(jobs, outs)]
         return JSONResponse(p.CompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                  usage=_usage(jobs, outs)).model_dump())
@@ -197,12 +179,12 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         rid, t0 = p.new_id("chatcmpl"), p.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_stream(fleet, jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
+            return sse_response(chat_stream(fleet, jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
                                      req.logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.ChatChoice(index=j.index, message=p.ChatResponseMessage(content=o.text),
                                 finish_reason=o.finish_reason,
-                                logprobs=_chat_logprobs(tokenizer, o.token_ids, o.logprobs) if req.logprobs else None)
+                                logprobs=chat_logprobs(tokenizer, o.token_ids, o.logprobs) if req.logprobs else None)
                    for j, o in zip(jobs, outs)]
         return JSONResponse(p.ChatCompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                      usage=_usage(jobs, outs)).model_dump())
@@ -321,7 +303,7 @@ def _sampling(fields: dict, prompt_len: int, max_model_len: int, param: str) -> 
 
 
 def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, timeout_s: float | None,
-            metrics: ApiMetrics) -> list[_Job]:
+            metrics: ApiMetrics) -> list[Job]:
     """Validate everything, then submit ``n`` requests per prompt; all or none are queued."""
     if len(prompts) * n > MAX_N:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most {MAX_N}",
@@ -333,20 +315,20 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
             # Choices of one seeded request must differ, yet stay reproducible.
             seed = None if params.seed is None or n == 1 else (params.seed + k) % (1 << 64)
             planned.append((ids, params if seed is None else _replace_seed(params, seed)))
-    jobs: list[_Job] = []
+    jobs: list[Job] = []
     try:
         for index, (ids, params) in enumerate(planned):
-            jobs.append(_Job(index, len(ids), fleet.submit(ids, params, timeout_s=timeout_s)))
+            jobs.append(Job(index, len(ids), fleet.submit(ids, params, timeout_s=timeout_s)))
     except Overloaded as e:
-        _abort(jobs)
+        abort_unfinished(jobs)
         metrics.rejected.labels(reason="overloaded").inc()
         raise ApiError(429, f"the server is overloaded: {e}; retry later", "rate_limit_error", code="overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RequestRejected as e:
-        _abort(jobs)
+        abort_unfinished(jobs)
         raise ApiError(400, f"{param}: {e}", param=param) from None
     except FleetClosed as e:
-        _abort(jobs)
+        abort_unfinished(jobs)
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
     for j in jobs:
         j.t0 = time.monotonic()
@@ -359,15 +341,9 @@ def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
-def _abort(jobs: list[_Job]) -> None:
-    for j in jobs:
-        if not j.handle.finished:
-            j.handle.abort()
-
-
 # ----- responses -----
 
-def _usage(jobs: list[_Job], outs) -> p.Usage:
+def _usage(jobs: list[Job], outs) -> p.Usage:
     prompt = sum(j.prompt_len for j in jobs)
     completion = sum(len(o.token_ids) for o in outs)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -383,176 +359,16 @@ def _failed(outputs) -> ApiError | None:
     return None
 
 
-async def _results(jobs: list[_Job], metrics: ApiMetrics) -> list:
+async def _results(jobs: list[Job], metrics: ApiMetrics) -> list:
     try:
         outs = await asyncio.gather(*(asyncio.to_thread(j.handle.result) for j in jobs))
     except FleetClosed as e:
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
     finally:
-        _abort(jobs)  # only unfinished ones: a cancelled (disconnected) request
+        abort_unfinished(jobs)  # only unfinished ones: a cancelled (disconnected) request
     for j, o in zip(jobs, outs):
         metrics.finished(j.t0, j.prompt_len, len(o.token_ids), o.finish_reason)
     err = _failed(outs)
     if err is not None:
         raise err
     return list(outs)
-
-
-def _token_text(tokenizer, token_id: int) -> str:
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _completion_logprobs(tokenizer, out) -> p.CompletionLogprobs:
-    tokens = [_token_text(tokenizer, t) for t in out.token_ids]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return p.CompletionLogprobs(tokens=tokens, token_logprobs=list(out.logprobs or [None] * len(tokens)),
-                                text_offset=offsets)
-
-
-def _chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs) -> p.ChatLogprobs:
-    lps = list(logprobs or [None] * len(token_ids))
-    items = []
-    for t, lp in zip(token_ids, lps):
-        s = _token_text(tokenizer, t)
-        items.append(p.ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode())))
-    return p.ChatLogprobs(content=items)
-
-
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _data(obj: BaseModel | dict) -> str:
-    body = obj.model_dump(exclude_none=False) if isinstance(obj, BaseModel) else obj
-    return f"data: {json.dumps(body)}\n\n"
-
-
-async def _merged(jobs: list[_Job]) -> AsyncIterator[tuple[_Job, Any]]:
-    """Events of every job as they come; cancelling (client disconnect) aborts the unfinished ones."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(job: _Job) -> None:
-        try:
-            for_events = job.handle.events()
-            while True:
-                ev = await asyncio.to_thread(next, for_events, None)
-                if ev is None:
-                    break
-                await q.put((job, ev))
-        except Exception as e:  # noqa: BLE001 (reported in the stream)
-            await q.put((job, e))
-        finally:
-            await q.put((job, None))
-
-    tasks = [asyncio.create_task(pump(j)) for j in jobs]
-    try:
-        left = len(jobs)
-        while left:
-            job, item = await q.get()
-            if item is None:
-                left -= 1
-                continue
-            yield job, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        _abort(jobs)
-
-
-class _StreamState:
-    """Token counts of a streamed response (for usage) and its metrics."""
-
-    def __init__(self, jobs: list[_Job], metrics: ApiMetrics) -> None:
-        self.jobs, self.metrics = jobs, metrics
-        self.completion = {j.index: 0 for j in jobs}
-        self.done: set[int] = set()
-
-    def add(self, job: _Job, ev) -> None:
-        if ev.token_ids and self.completion[job.index] == 0:
-            self.metrics.first_token(job.t0)
-        self.completion[job.index] += len(ev.token_ids)
-        if ev.finished:
-            self.done.add(job.index)
-            self.metrics.finished(job.t0, job.prompt_len, self.completion[job.index], ev.finish_reason)
-
-    def close(self) -> None:
-        """Count the choices a disconnect cut short (their requests are aborted by :func:`_merged`)."""
-        for j in self.jobs:
-            if j.index not in self.done:
-                self.done.add(j.index)
-                self.metrics.finished(j.t0, j.prompt_len, self.completion[j.index], "abort")
-
-
-def _stream_error(item: Exception | Any) -> str:
-    if isinstance(item, Exception):
-        msg, kind = f"the stream failed: {type(item).__name__}: {item}", "internal_error"
-    else:
-        msg, kind = f"generation failed: {item.error or 'the request failed'}", "internal_error"
-    return _data(ApiError(500, msg, kind).body())
-
-
-async def _completion_stream(fleet, jobs, rid, created, model, include_usage, metrics, tokenizer,
-                             want_logprobs) -> AsyncIterator[str]:
-    state, merged = _StreamState(jobs, metrics), _merged(jobs)
-    try:
-        async for job, ev in merged:
-            if isinstance(ev, Exception) or ev.finish_reason == "error":
-                yield _stream_error(ev)
-                continue
-            state.add(job, ev)
-            lp = None
-            if want_logprobs and ev.token_ids:
-                tokens = [_token_text(tokenizer, t) for t in ev.token_ids]
-                lp = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(ev.logprobs or [None] * len(tokens)))
-            if not ev.text and not ev.finished and lp is None:
-                continue
-            choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,
-                                        finish_reason=ev.finish_reason if ev.finished else None)
-            yield _data(p.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
-        if include_usage:
-            yield _data(_final_usage(p.CompletionResponse, rid, created, model, jobs, state))
-        yield "data: [DONE]\n\n"
-    finally:
-        _abort(jobs)  # a disconnect: end the requests now, not at max_tokens
-        state.close()
-        await merged.aclose()
-
-
-async def _chat_stream(fleet, jobs, rid, created, model, include_usage, metrics, tokenizer,
-                       want_logprobs) -> AsyncIterator[str]:
-    state, merged = _StreamState(jobs, metrics), _merged(jobs)
-    try:
-        for j in jobs:
-            first = p.ChatChunkChoice(index=j.index, delta=p.ChatDelta(role="assistant", content=""))
-            yield _data(p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[first]))
-        async for job, ev in merged:
-            if isinstance(ev, Exception) or ev.finish_reason == "error":
-                yield _stream_error(ev)
-                continue
-            state.add(job, ev)
-            lp = _chat_logprobs(tokenizer, ev.token_ids, ev.logprobs) if want_logprobs and ev.token_ids else None
-            if not ev.text and not ev.finished and lp is None:
-                continue
-            choice = p.ChatChunkChoice(index=job.index, delta=p.ChatDelta(content=ev.text or None), logprobs=lp,
-                                       finish_reason=ev.finish_reason if ev.finished else None)
-            yield _data(p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
-        if include_usage:
-            yield _data(_final_usage(p.ChatCompletionChunk, rid, created, model, jobs, state))
-        yield "data: [DONE]\n\n"
-    finally:
-        _abort(jobs)  # a disconnect: end the requests now, not at max_tokens
-        state.close()
-        await merged.aclose()
-
-
-def _final_usage(cls, rid, created, model, jobs, state) -> BaseModel:
-    prompt = sum(j.prompt_len for j in jobs)
-    completion = sum(state.completion.values())
-    usage = p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-    return cls(id=rid, created=created, model=model, choices=[], usage=usage)

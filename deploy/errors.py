@@ -1,0 +1,24 @@
+"""The API's one error type: answered as an OpenAI error body with its HTTP status."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from deploy import openai_protocol as p
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return p.ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

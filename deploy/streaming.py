@@ -1,0 +1,196 @@
+"""Server-sent event streams of the OpenAI API: one chunk per token event, usage, [DONE].
+
+A request with ``n`` choices is ``n`` fleet requests (jobs) merged into one stream; closing
+the stream (a client disconnect) aborts every job that has not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from deploy import openai_protocol as p
+from deploy.api_metrics import ApiMetrics
+from deploy.errors import ApiError
+
+
+@dataclass
+class Job:
+    """One choice: its index, prompt length, and the fleet's handle."""
+
+    index: int
+    prompt_len: int
+    handle: Any
+    t0: float = 0.0
+
+
+def abort_unfinished(jobs: list[Job]) -> None:
+    for j in jobs:
+        if not j.handle.finished:
+            j.handle.abort()
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, out) -> p.CompletionLogprobs:
+    tokens = [_token_text(tokenizer, t) for t in out.token_ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=list(out.logprobs or [None] * len(tokens)),
+                                text_offset=offsets)
+
+
+def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs) -> p.ChatLogprobs:
+    lps = list(logprobs or [None] * len(token_ids))
+    items = []
+    for t, lp in zip(token_ids, lps):
+        s = _token_text(tokenizer, t)
+        items.append(p.ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode())))
+    return p.ChatLogprobs(content=items)
+
+
+def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _data(obj: BaseModel | dict) -> str:
+    body = obj.model_dump(exclude_none=False) if isinstance(obj, BaseModel) else obj
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[Job, Any]]:
+    """Events of every job as they come; cancelling (client disconnect) aborts the unfinished ones."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            for_events = job.handle.events()
+            while True:
+                ev = await asyncio.to_thread(next, for_events, None)
+                if ev is None:
+                    break
+                await q.put((job, ev))
+        except Exception as e:  # noqa: BLE001 (reported in the stream)
+            await q.put((job, e))
+        finally:
+            await q.put((job, None))
+
+    tasks = [asyncio.create_task(pump(j)) for j in jobs]
+    try:
+        left = len(jobs)
+        while left:
+            job, item = await q.get()
+            if item is None:
+                left -= 1
+                continue
+            yield job, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        abort_unfinished(jobs)
+
+
+class _StreamState:
+    """Token counts of a streamed response (for usage) and its metrics."""
+
+    def __init__(self, jobs: list[Job], metrics: ApiMetrics) -> None:
+        self.jobs, self.metrics = jobs, metrics
+        self.completion = {j.index: 0 for j in jobs}
+        self.done: set[int] = set()
+
+    def add(self, job: Job, ev) -> None:
+        if ev.token_ids and self.completion[job.index] == 0:
+            self.metrics.first_token(job.t0)
+        self.completion[job.index] += len(ev.token_ids)
+        if ev.finished:
+            self.done.add(job.index)
+            self.metrics.finished(job.t0, job.prompt_len, self.completion[job.index], ev.finish_reason)
+
+    def close(self) -> None:
+        """Count the choices a disconnect cut short (their requests are aborted by :func:`_merged`)."""
+        for j in self.jobs:
+            if j.index not in self.done:
+                self.done.add(j.index)
+                self.metrics.finished(j.t0, j.prompt_len, self.completion[j.index], "abort")
+
+
+def _stream_error(item: Exception | Any) -> str:
+    if isinstance(item, Exception):
+        msg, kind = f"the stream failed: {type(item).__name__}: {item}", "internal_error"
+    else:
+        msg, kind = f"generation failed: {item.error or 'the request failed'}", "internal_error"
+    return _data(ApiError(500, msg, kind).body())
+
+
+async def completion_stream(fleet, jobs, rid, created, model, include_usage, metrics, tokenizer,
+                             want_logprobs) -> AsyncIterator[str]:
+    state, merged = _StreamState(jobs, metrics), _merged(jobs)
+    try:
+        async for job, ev in merged:
+            if isinstance(ev, Exception) or ev.finish_reason == "error":
+                yield _stream_error(ev)
+                continue
+            state.add(job, ev)
+            lp = None
+            if want_logprobs and ev.token_ids:
+                tokens = [_token_text(tokenizer, t) for t in ev.token_ids]
+                lp = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(ev.logprobs or [None] * len(tokens)))
+            if not ev.text and not ev.finished and lp is None:
+                continue
+            choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,
+                                        finish_reason=ev.finish_reason if ev.finished else None)
+            yield _data(p.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+        if include_usage:
+            yield _data(_final_usage(p.CompletionResponse, rid, created, model, jobs, state))
+        yield "data: [DONE]\n\n"
+    finally:
+        abort_unfinished(jobs)  # a disconnect: end the requests now, not at max_tokens
+        state.close()
+        await merged.aclose()
+
+
+async def chat_stream(fleet, jobs, rid, created, model, include_usage, metrics, tokenizer,
+                       want_logprobs) -> AsyncIterator[str]:
+    state, merged = _StreamState(jobs, metrics), _merged(jobs)
+    try:
+        for j in jobs:
+            first = p.ChatChunkChoice(index=j.index, delta=p.ChatDelta(role="assistant", content=""))
+            yield _data(p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[first]))
+        async for job, ev in merged:
+            if isinstance(ev, Exception) or ev.finish_reason == "error":
+                yield _stream_error(ev)
+                continue
+            state.add(job, ev)
+            lp = chat_logprobs(tokenizer, ev.token_ids, ev.logprobs) if want_logprobs and ev.token_ids else None
+            if not ev.text and not ev.finished and lp is None:
+                continue
+            choice = p.ChatChunkChoice(index=job.index, delta=p.ChatDelta(content=ev.text or None), logprobs=lp,
+                                       finish_reason=ev.finish_reason if ev.finished else None)
+            yield _data(p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+        if include_usage:
+            yield _data(_final_usage(p.ChatCompletionChunk, rid, created, model, jobs, state))
+        yield "data: [DONE]\n\n"
+    finally:
+        abort_unfinished(jobs)  # a disconnect: end the requests now, not at max_tokens
+        state.close()
+        await merged.aclose()
+
+
+def _final_usage(cls, rid, created, model, jobs, state) -> BaseModel:
+    prompt = sum(j.prompt_len for j in jobs)
+    completion = sum(state.completion.values())
+    usage = p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return cls(id=rid, created=created, model=model, choices=[], usage=usage)
