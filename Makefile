@@ -9,11 +9,12 @@ STAMP := $(VENV)/.graphfleet-installed
 CACHE ?= $(HOME)/.cache/graphfleet
 # The GPU machine has no network: test-gpu and bench run from the checkout with its python3.
 GPU_PY ?= python3
+PORT ?= 8000
 
 .PHONY: help run test test-gpu bench lint install stamp
 
 help:
-	@echo "make run       generate the tiny-llama checkpoint (once) and run a batch generation"
+	@echo "make run       generate the tiny-llama checkpoint (once) and serve it on 127.0.0.1:8000 (OpenAI API)"
 	@echo "make test      install what the tests need and run the CPU test suite"
 	@echo "make test-gpu  run the GPU tests (on a CUDA machine, from the checkout)"
 	@echo "make bench     run the GPU benchmarks (results in bench/results/)"
@@ -35,7 +36,7 @@ install: $(STAMP)
 
 run: $(STAMP)
 	@test -f $(CACHE)/tiny-llama/config.json || $(VENV)/bin/graphfleet make-checkpoint --preset tiny-llama --out $(CACHE)/tiny-llama
-	$(VENV)/bin/graphfleet demo --model $(CACHE)/tiny-llama
+	$(VENV)/bin/graphfleet serve --model $(CACHE)/tiny-llama --host 127.0.0.1 --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu" -q

@@ -155,6 +155,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)  # a supervisor's stop shuts the fleet down like Ctrl-C
     ray.init(_node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
              include_dashboard=False, ignore_reinit_error=True)
+    log = logging.getLogger("graphfleet")
+    if not ray.cluster_resources().get("GPU", 0):
+        log.info("no CUDA device in the Ray cluster: CUDA graphs are off and the model runs eagerly on CPU "
+                 "(graphs.*.backend full/breakable need CUDA; graphs.debug=true runs the runner path on CPU)")
+    log.info("starting the fleet: load %s, size the KV cache, capture graphs, then serve on %s:%d",
+             config.model.path, host, port)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(OpenAIIngress.bind(config.to_dict(), {}), name="graphfleet", route_prefix="/", blocking=False)
