@@ -129,6 +129,14 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     # ----- API -----
 
+    async def accept(request: Request, model: type[BaseModel]) -> Any:
+        """Authenticate, require a ready fleet, parse the body and check the model name."""
+        check_auth(request)
+        check_ready()
+        req = await _parse(request, model)
+        check_model(req.model)
+        return req
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
@@ -138,10 +146,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        check_auth(request)
-        check_ready()
-        req = await _parse(request, p.CompletionRequest)
-        check_model(req.model)
+        req = await accept(request, p.CompletionRequest)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         if req.logprobs is not None and req.logprobs != 0:
@@ -154,8 +159,8 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         rid, t0 = p.new_id("cmpl"), p.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(completion_stream(fleet, jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
-                                           want_logprobs))
+            return sse_response(completion_stream(jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
+                                                  want_logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
                                       logprobs=completion_logprobs(tokenizer, o) if want_logprobs else None)
@@ -165,10 +170,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_auth(request)
-        check_ready()
-        req = await _parse(request, p.ChatCompletionRequest)
-        check_model(req.model)
+        req = await accept(request, p.ChatCompletionRequest)
         if req.top_logprobs:
             raise ApiError(400, f"top_logprobs must be 0 or null (alternative tokens are not computed), "
                                 f"got {req.top_logprobs}", param="top_logprobs")
@@ -179,8 +181,8 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         rid, t0 = p.new_id("chatcmpl"), p.now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(chat_stream(fleet, jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
-                                     req.logprobs))
+            return sse_response(chat_stream(jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
+                                            req.logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.ChatChoice(index=j.index, message=p.ChatResponseMessage(content=o.text),
                                 finish_reason=o.finish_reason,

@@ -135,26 +135,24 @@ def _stream_error(item: Exception | Any) -> str:
     return _data(ApiError(500, msg, kind).body())
 
 
-async def completion_stream(fleet, jobs, rid, created, model, include_usage, metrics, tokenizer,
-                             want_logprobs) -> AsyncIterator[str]:
+async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence[BaseModel], usage_cls,
+                  rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body shared by both endpoints: ``opening`` chunks, one ``chunk(job, event)`` per
+    token event (None skips it), an error event per failed job, usage, then ``[DONE]``."""
     state, merged = _StreamState(jobs, metrics), _merged(jobs)
     try:
+        for first in opening:
+            yield _data(first)
         async for job, ev in merged:
             if isinstance(ev, Exception) or ev.finish_reason == "error":
                 yield _stream_error(ev)
                 continue
             state.add(job, ev)
-            lp = None
-            if want_logprobs and ev.token_ids:
-                tokens = [_token_text(tokenizer, t) for t in ev.token_ids]
-                lp = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(ev.logprobs or [None] * len(tokens)))
-            if not ev.text and not ev.finished and lp is None:
-                continue
-            choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,
-                                        finish_reason=ev.finish_reason if ev.finished else None)
-            yield _data(p.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+            body = chunk(job, ev)
+            if body is not None:
+                yield _data(body)
         if include_usage:
-            yield _data(_final_usage(p.CompletionResponse, rid, created, model, jobs, state))
+            yield _data(_final_usage(usage_cls, rid, created, model, jobs, state))
         yield "data: [DONE]\n\n"
     finally:
         abort_unfinished(jobs)  # a disconnect: end the requests now, not at max_tokens
@@ -162,31 +160,35 @@ async def completion_stream(fleet, jobs, rid, created, model, include_usage, met
         await merged.aclose()
 
 
-async def chat_stream(fleet, jobs, rid, created, model, include_usage, metrics, tokenizer,
-                       want_logprobs) -> AsyncIterator[str]:
-    state, merged = _StreamState(jobs, metrics), _merged(jobs)
-    try:
-        for j in jobs:
-            first = p.ChatChunkChoice(index=j.index, delta=p.ChatDelta(role="assistant", content=""))
-            yield _data(p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[first]))
-        async for job, ev in merged:
-            if isinstance(ev, Exception) or ev.finish_reason == "error":
-                yield _stream_error(ev)
-                continue
-            state.add(job, ev)
-            lp = chat_logprobs(tokenizer, ev.token_ids, ev.logprobs) if want_logprobs and ev.token_ids else None
-            if not ev.text and not ev.finished and lp is None:
-                continue
-            choice = p.ChatChunkChoice(index=job.index, delta=p.ChatDelta(content=ev.text or None), logprobs=lp,
-                                       finish_reason=ev.finish_reason if ev.finished else None)
-            yield _data(p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
-        if include_usage:
-            yield _data(_final_usage(p.ChatCompletionChunk, rid, created, model, jobs, state))
-        yield "data: [DONE]\n\n"
-    finally:
-        abort_unfinished(jobs)  # a disconnect: end the requests now, not at max_tokens
-        state.close()
-        await merged.aclose()
+def completion_stream(jobs, rid, created, model, include_usage, metrics, tokenizer,
+                      want_logprobs) -> AsyncIterator[str]:
+    def chunk(job: Job, ev) -> BaseModel | None:
+        lp = None
+        if want_logprobs and ev.token_ids:
+            tokens = [_token_text(tokenizer, t) for t in ev.token_ids]
+            lp = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(ev.logprobs or [None] * len(tokens)))
+        if not ev.text and not ev.finished and lp is None:
+            return None
+        choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,
+                                    finish_reason=ev.finish_reason if ev.finished else None)
+        return p.CompletionResponse(id=rid, created=created, model=model, choices=[choice])
+
+    return _stream(jobs, metrics, chunk, (), p.CompletionResponse, rid, created, model, include_usage)
+
+
+def chat_stream(jobs, rid, created, model, include_usage, metrics, tokenizer,
+                want_logprobs) -> AsyncIterator[str]:
+    def chunk(job: Job, ev) -> BaseModel | None:
+        lp = chat_logprobs(tokenizer, ev.token_ids, ev.logprobs) if want_logprobs and ev.token_ids else None
+        if not ev.text and not ev.finished and lp is None:
+            return None
+        choice = p.ChatChunkChoice(index=job.index, delta=p.ChatDelta(content=ev.text or None), logprobs=lp,
+                                   finish_reason=ev.finish_reason if ev.finished else None)
+        return p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+
+    opening = [p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+        p.ChatChunkChoice(index=j.index, delta=p.ChatDelta(role="assistant", content=""))]) for j in jobs]
+    return _stream(jobs, metrics, chunk, opening, p.ChatCompletionChunk, rid, created, model, include_usage)
 
 
 def _final_usage(cls, rid, created, model, jobs, state) -> BaseModel:

@@ -6,14 +6,11 @@ requests must get a 4xx with an OpenAI error body naming the problem, and leave 
 
 from __future__ import annotations
 
-import itertools
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 import openai
 import pytest
@@ -21,10 +18,9 @@ import ray
 import torch
 from ray import serve
 
-from cluster.fleet import Overloaded
 from deploy.config import load_config
 from deploy.serve_app import app_builder
-from worker.engine import Engine, RequestEvent, RequestOutput
+from worker.engine import Engine
 from worker.sampling.params import SamplingParams
 
 API_KEY = "sk-test-123"
@@ -289,149 +285,51 @@ def test_client_disconnect_aborts_stream(server):
     assert _http("GET", f"{server}/health")[0] == 200
 
 
-# ----- the app on a fake fleet (no Ray): overload, health phases, disconnect -----
-
-class _FakeHandle:
-    def __init__(self, fleet, rid: str, n: int, delay_s: float) -> None:
-        self.request_id, self._fleet, self._n, self._delay = rid, fleet, n, delay_s
-        self.finished, self._aborted, self._error = False, threading.Event(), fleet.error
-
-    def events(self, wait_s=None):
-        if self._error:
-            self.finished = True
-            yield RequestEvent(self.request_id, [], "", True, "error", error=self._error)
-            return
-        for i in range(self._n):
-            if self._aborted.wait(self._delay):
-                self.finished = True
-                yield RequestEvent(self.request_id, [], "", True, "abort")
-                return
-            last = i == self._n - 1
-            self.finished = last
-            yield RequestEvent(self.request_id, [7], "x", last, "length" if last else None)
-
-    def result(self, wait_s=None):
-        events = list(self.events())
-        ids = [e.token_ids[0] for e in events if e.token_ids]
-        return RequestOutput(self.request_id, [1], ids, "x" * len(ids), events[-1].finish_reason, None, 0,
-                             events[-1].error)
-
-    def abort(self) -> bool:
-        self._fleet.aborted.append(self.request_id)
-        self._aborted.set()
-        return True
-
-
-class _FakeFleet:
-    max_model_len, vocab_size = 64, 100
-
-    def __init__(self) -> None:
-        self.status, self.overloaded, self.delay_s, self.aborted, self.error = "ready", False, 0.0, [], None
-        self.ready = True
-        self._ids = itertools.count()
-
-    def health(self) -> dict:
-        phase = {"starting": "capturing", "degraded": "degraded"}.get(self.status, "ready")
-        return {"status": self.status, "groups": {"g0": {"state": phase}}, "queued": 0, "in_flight": 0}
-
-    def submit(self, ids, params, *, timeout_s=None):
-        if self.overloaded:
-            raise Overloaded("4 requests queued (max_queued_requests=4)")
-        return _FakeHandle(self, f"fake-{next(self._ids)}", params.max_tokens, self.delay_s)
-
+# ----- limits on a real fleet: overload (429) and deadlines (504) -----
 
 @pytest.fixture(scope="module")
-def fake():
-    """(fake fleet, base URL) of the app served by uvicorn in a thread."""
-    import uvicorn
-
-    from deploy.api import build_app
-    from deploy.config.schema import ServeConfig
-
-    fleet = _FakeFleet()
-    config = SimpleNamespace(serve=ServeConfig(model_name="fake"), model=SimpleNamespace(path="/models/fake"))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(fleet, None, config), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    end = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < end, "uvicorn did not start"
-        time.sleep(0.02)
-    yield fleet, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
+def limited(server, path):
+    """Base URL of a third app: a fleet queueing at most 2 new requests, 1.5 s request deadline."""
+    app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
+                       "request_timeout_s": 1.5, "fleet": {"name": "slim", "max_queued_requests": 2}})
+    serve.run(app, name="graphfleet-lim", route_prefix="/lim", blocking=False)
+    _wait_healthy(f"{server}/lim")
+    yield f"{server}/lim"
+    serve.delete("graphfleet-lim")
 
 
-def test_fake_health_phases(fake):
-    fleet, url = fake
-    fleet.status = "starting"
-    status, body, _ = _http("GET", f"{url}/health")
-    assert status == 503 and body["status"] == "starting" and body["groups"] == {"g0": "capturing"}
-    fleet.status = "degraded"
-    status, body, _ = _http("GET", f"{url}/health")
-    assert status == 200 and body["status"] == "degraded"
-    fleet.status = "dead"
-    assert _http("GET", f"{url}/health")[0] == 503
-    fleet.status, fleet.ready = "starting", False  # a StartingFleet before Fleet.start returns
-    status, body, headers = _http("POST", f"{url}/v1/completions", {"prompt": [1], "max_tokens": 2})
-    assert status == 503 and "not ready (starting)" in body["error"]["message"] and headers["retry-after"] == "1"
-    fleet.status, fleet.ready = "ready", True
-    assert _http("GET", f"{url}/health")[0] == 200
+def test_overload_is_429_with_retry_after_and_deadline_is_504(limited):
+    from concurrent.futures import ThreadPoolExecutor
 
+    body = {"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True}
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda _: _http("POST", f"{limited}/v1/completions", body), range(32)))
+    statuses = [r[0] for r in results]
+    overloaded = [r for r in results if r[0] == 429]
+    assert overloaded, statuses
+    status, err, headers = overloaded[0]
+    assert headers["retry-after"] == "1" and err["error"]["type"] == "rate_limit_error"
+    assert "overloaded" in err["error"]["message"]
+    timed_out = [r for r in results if r[0] == 504]
+    assert timed_out and "deadline" in timed_out[0][1]["error"]["message"], statuses
+    assert set(statuses) <= {429, 504}
+    client = openai.OpenAI(base_url=f"{limited}/v1", api_key="none", max_retries=0, timeout=60)
 
-def test_fake_overloaded_is_429_with_retry_after(fake):
-    fleet, url = fake
-    fleet.overloaded = True
-    try:
-        status, body, headers = _http("POST", f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
-        assert status == 429 and headers["retry-after"] == "1"
-        assert body["error"]["type"] == "rate_limit_error" and "overloaded" in body["error"]["message"]
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.RateLimitError):
-            client.completions.create(model="fake", prompt=[1, 2], max_tokens=2)
-    finally:
-        fleet.overloaded = False
-    r = openai.OpenAI(base_url=f"{url}/v1", api_key="none").completions.create(model="fake", prompt=[1, 2],
-                                                                               max_tokens=3)
-    assert r.choices[0].text == "xxx" and r.usage.completion_tokens == 3 and r.usage.prompt_tokens == 2
+    def call(_):
+        try:
+            client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=1500, extra_body={"ignore_eos": True})
+        except openai.APIStatusError as e:
+            return type(e)
+        return None
 
-
-def test_fake_disconnect_aborts(fake):
-    import http.client
-
-    fleet, url = fake
-    fleet.delay_s = 0.05
-    try:
-        host, port = url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": [1], "max_tokens": 60, "stream": True}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline().startswith(b"data: ")
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        conn.close()
-        end = time.monotonic() + 10
-        while not fleet.aborted:
-            assert time.monotonic() < end, "the stream's request was not aborted on disconnect"
-            time.sleep(0.02)
-    finally:
-        fleet.delay_s = 0.0
-
-
-def test_fake_failed_request_is_5xx(fake):
-    fleet, url = fake
-    fleet.error = "request fake-9 passed its deadline (timeout_s=1.0)"
-    try:
-        status, body, _ = _http("POST", f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
-        assert status == 504 and "deadline" in body["error"]["message"], body
-        status, text, _ = _http("POST", f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True})
-        events = [e for e in text.split("\n\n") if e]
-        assert status == 200 and events[-1] == "data: [DONE]"
-        assert "deadline" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
-    finally:
-        fleet.error = None
+    with ThreadPoolExecutor(32) as pool:
+        raised = set(pool.map(call, range(32)))
+    assert openai.RateLimitError in raised and raised <= {openai.RateLimitError, openai.InternalServerError}
+    status, text, _ = _http("POST", f"{limited}/v1/completions", {**body, "stream": True})
+    events = [e for e in text.split("\n\n") if e]
+    assert status == 200 and events[-1] == "data: [DONE]"
+    assert "deadline" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+    assert _http("GET", f"{limited}/health")[0] == 200
 
 
 def test_starting_fleet_reports_a_failed_start(server, path):
