@@ -1,6 +1,7 @@
 """Random-weight HF-format checkpoints for tests and benchmarks: presets and the writer."""
 
-from .presets import PRESETS, Preset, TensorSpec, TokenizerFamily, get_preset
+from .catalog import PRESETS, get_preset
+from .presets import Preset, TensorSpec, TokenizerFamily
 from .writer import DEFAULT_MAX_SHARD_BYTES, build_tokenizer, write_checkpoint, write_tokenizer
 
 __all__ = [

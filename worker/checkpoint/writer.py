@@ -32,7 +32,8 @@ from tokenizers import (
     trainers,
 )
 
-from .presets import Preset, TensorSpec, TokenizerFamily, get_preset
+from .catalog import get_preset
+from .presets import Preset, TensorSpec, TokenizerFamily
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
