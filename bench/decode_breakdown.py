@@ -1,0 +1,98 @@
+"""Where a full-graph decode step's time goes: host plan, graph replay, and the kernels inside.
+
+For each bucket: wall time of the attention ``plan`` alone (host), of a replay alone (GPU, with
+the sync), of the whole runner step (load + plan + replay + sync), the HBM floor, and from one
+profiled replay the number of kernels, their summed device time and the largest kernels. The
+gap between replay wall time and summed kernel time is launch/dependency overhead inside the
+graph; the gap between the step and the replay is host work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from bench.common import copy_bandwidth, environment, print_table, write_results  # noqa: E402
+from bench.decode import Setup, timed  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+from graphs.backends import create_backend  # noqa: E402
+from graphs.decode import DecodeGraphRunner  # noqa: E402
+from worker.graph_steps import ModelDecodeStep  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
+    """(kernel count, summed kernel ms, top kernels as (name, ms, count)) of one call of ``fn``."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0 and "Memcpy" not in e.name:
+            per_name[e.name].append(e.device_time_total / 1000)
+    total = sum(sum(v) for v in per_name.values())
+    count = sum(len(v) for v in per_name.values())
+    top = sorted(((n[:70], sum(v), len(v)) for n, v in per_name.items()), key=lambda t: -t[1])[:8]
+    return count, total, top
+
+
+def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict) -> None:
+    setup = Setup(ensure_checkpoint(preset), max(batches), args.context, args.attention)
+    step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
+    runner = DecodeGraphRunner(step, create_backend("full", CUDA), batches)
+    runner.capture_all(progress=False)
+    for b in batches:
+        live = setup.batch(b)
+        choice = runner.decide(live)
+        plan_ms = timed(lambda: step.plan(live.attention, b), args.repeats) * 1e3
+        runner.load(live, b)
+
+        def replay():
+            runner.backend.replay(b)
+
+        replay_ms = timed(replay, args.repeats) * 1e3
+        step_ms = timed(lambda: runner.execute(live, choice), args.repeats) * 1e3
+        n, kernel_ms, top = kernels_of_replay(replay)
+        floor_ms = setup.floor_bytes(b) / bw * 1e3
+        rows.append({"preset": preset, "bucket": b, "plan_ms": plan_ms, "replay_ms": replay_ms,
+                     "step_ms": step_ms, "kernels": n, "kernel_ms": kernel_ms, "floor_ms": floor_ms,
+                     "step/floor": step_ms / floor_ms})
+        details[f"{preset}/{b}"] = top
+    runner.release()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--presets", default="tinyllama-1.1b,llama-3-8b")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--attention", default="flashinfer")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    bw = copy_bandwidth()
+    rows, details = [], {}
+    for preset in args.presets.split(","):
+        measure_preset(preset, batches, args, bw, rows, details)
+        torch.cuda.empty_cache()
+    print_table(rows, ["preset", "bucket", "plan_ms", "replay_ms", "step_ms", "kernels", "kernel_ms", "floor_ms",
+                       "step/floor"])
+    for key, top in details.items():
+        print(f"\n{key}: top kernels (ms, count)")
+        for name, ms, count in top:
+            print(f"  {ms:8.3f} {count:5d}  {name}")
+    write_results("decode-breakdown", {"env": environment(), "copy_bandwidth_Bps": bw, "rows": rows,
+                                       "top_kernels": details, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
