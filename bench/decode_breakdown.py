@@ -46,7 +46,7 @@ def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
 
 
 def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict) -> None:
-    setup = Setup(ensure_checkpoint(preset), max(batches), args.context, args.attention)
+    setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(batches), args.context, args.attention)
     step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     runner = DecodeGraphRunner(step, create_backend("full", CUDA), batches)
     runner.capture_all(progress=False)
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--attention", default="flashinfer")
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-ckpt")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth()
