@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--attention", default="flashinfer")
-    ap.add_argument("--checkpoints", default="/tmp/graphfleet-ckpt")
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth()
