@@ -92,6 +92,11 @@ class RankActor:
         cpu = sorted({e.name for e in events if e.device_type.name == "CPU"})
         return {"cuda": cuda, "cpu": cpu}
 
+    def collective_counts(self) -> dict:
+        """Collective calls so far: ``captured`` (recorded into graphs) and ``eager``."""
+        counts = self.worker.model.tp.counts
+        return {"captured": counts.captured, "eager": counts.eager}
+
     def metrics_text(self) -> bytes:
         from prometheus_client import generate_latest
 

@@ -1,4 +1,9 @@
-"""bf16 on the GPU: our model (both attention backends) against HF transformers."""
+"""bf16 on the GPU: our model (both attention backends) against HF transformers.
+
+The comparisons run on the tiny checkpoints after a short training on the bundled corpus
+(``tests/trained.py`` says why: random-weight models make greedy tokens coin flips in bf16),
+with corpus windows of six lengths as prompts.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import torch
 
 from deploy.config import load_config
 from tests.reference import OwnModel, hf_logits, rel_err, rel_l2
-from tests.test_model_hf import TINY_PRESETS, _prompts
+from tests.test_model_hf import PROMPT_LENS, TINY_PRESETS, _prompts
+from tests.trained import corpus_prompts, train_checkpoint
 from worker.attention.factory import flashinfer_importable
 from worker.engine import Engine
 from worker.model.kernels import TorchKernels, select_kernels
@@ -37,6 +43,19 @@ def hf_models():
     return get
 
 
+@pytest.fixture(scope="module")
+def trained_dir(checkpoint_dir):
+    made = {}
+
+    def get(preset):
+        if preset not in made:
+            src = checkpoint_dir(preset)
+            made[preset] = train_checkpoint(src, src.with_name(src.name + "-trained"))
+        return made[preset]
+
+    return get
+
+
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     seq = list(ids)
     with torch.no_grad():
@@ -47,16 +66,17 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_bf16_logits_and_greedy_match_hf(preset, backend, checkpoint_dir, hf_models):
-    """Our bf16 model against HF's fp32 logits (the accurate reference), with HF's own bf16 model
-    against the same reference as the noise floor: ours must be within 2e-2 (relative L2) or, on
-    a model whose bf16 noise floor is itself near that, within 1.25x of HF bf16's own error."""
+def test_bf16_logits_and_greedy_match_hf(preset, backend, trained_dir, hf_models):
+    """Our bf16 model against HF's fp32 logits (the accurate reference): relative L2 error <= 2e-2
+    at the prompt and over 16 decode steps on our KV cache; HF's own bf16 model against the same
+    reference is printed as the noise floor. Then the engine's first 8 greedy tokens equal HF
+    bf16's for every prompt."""
     _skip_missing(backend)
-    path = checkpoint_dir(preset)
+    path = trained_dir(preset)
     hf32, hf16 = hf_models(path, torch.float32), hf_models(path, torch.bfloat16)
     kernels = select_kernels(torch.device("cuda"), prefer_fused=backend == "flashinfer")
     ours = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend=backend, kernels=kernels)
-    prompts = _prompts(ours.arch.vocab_size, seed=len(preset))
+    prompts = corpus_prompts(path, PROMPT_LENS, seed=len(preset))
     reqs = [ours.new_request(p, i) for i, p in enumerate(prompts)]
     logits = ours.step(reqs, [len(p) for p in prompts], is_prefill=True)
     errors, floors, worst_max = [], [], 0.0
@@ -67,8 +87,7 @@ def test_bf16_logits_and_greedy_match_hf(preset, backend, checkpoint_dir, hf_mod
         errors.append(rel_l2(got, ref))
         floors.append(rel_l2(hf_logits(hf16, seq)[rows], ref))
         worst_max = max(worst_max, rel_err(got, ref))
-        assert errors[-1] <= max(2e-2, 1.25 * floors[-1]), \
-            f"{preset}/{backend}: {errors[-1]:.4f} vs floor {floors[-1]:.4f}"
+        assert errors[-1] <= 2e-2, f"{preset}/{backend}: {errors[-1]:.4f} (HF bf16 floor {floors[-1]:.4f})"
 
     offset, seqs, last = 0, [], []
     for p in prompts:

@@ -7,11 +7,26 @@ capture stream while a CUDA graph is being captured: that is what records them i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CollectiveCounts:
+    """Collective calls this rank issued: while a CUDA graph was being captured (recorded into
+    it, never called again on replay) and eagerly. Host-side counters only."""
+
+    captured: int = 0
+    eager: int = 0
+
+    def count(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.captured += 1
+        else:
+            self.eager += 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None
     collectives_at_size_one: bool = False
+    counts: CollectiveCounts = field(default_factory=CollectiveCounts, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -40,12 +56,14 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1 or self.collectives_at_size_one:
+            self.counts.count()
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        self.counts.count()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
