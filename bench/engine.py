@@ -27,7 +27,8 @@ from worker.sampling.params import SamplingParams  # noqa: E402
 def ensure_checkpoint(preset: str, root: Path) -> Path:
     path = root / preset
     if not (path / "config.json").is_file():
-        write_checkpoint(preset, path, seed=0, dtype="bfloat16")
+        write_checkpoint(preset, path, seed=0, dtype="bfloat16",
+                         device="cuda" if torch.cuda.is_available() else "cpu")
     return path
 
 

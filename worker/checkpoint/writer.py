@@ -86,17 +86,20 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _tensor_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """Yield ``spec``'s values as consecutive row blocks (dim 0) in ``dtype``."""
-    gen = torch.Generator(device="cpu")
+def _tensor_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype, device: str = "cpu") -> Iterator[torch.Tensor]:
+    """Yield ``spec``'s values as consecutive row blocks (dim 0) in ``dtype``, on the CPU.
+
+    ``device`` is where the random numbers are drawn (a CUDA generator is much faster for
+    multi-GB checkpoints, and draws different numbers than the CPU one)."""
+    gen = torch.Generator(device=device)
     gen.manual_seed(_tensor_seed(seed, spec.name))
     rows = spec.shape[0]
     row_numel = spec.numel // rows
     step = max(1, _CHUNK_ELEMS // max(1, row_numel))
     for start in range(0, rows, step):
-        block = torch.empty((min(step, rows - start),) + spec.shape[1:], dtype=torch.float32)
+        block = torch.empty((min(step, rows - start),) + spec.shape[1:], dtype=torch.float32, device=device)
         block.normal_(spec.mean, spec.std, generator=gen)
-        yield block.to(dtype)
+        yield block.to(dtype).cpu()
 
 
 def generate_tensor(spec: TensorSpec, seed: int = 0, dtype: str = "float32") -> torch.Tensor:
@@ -122,7 +125,7 @@ def _plan_shards(specs: Sequence[TensorSpec], itemsize: int, limit: int | None) 
     return shards
 
 
-def _write_safetensors(path: Path, specs: Sequence[TensorSpec], seed: int, dtype: str) -> None:
+def _write_safetensors(path: Path, specs: Sequence[TensorSpec], seed: int, dtype: str, device: str) -> None:
     torch_dtype = _TORCH_DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -143,7 +146,7 @@ def _write_safetensors(path: Path, specs: Sequence[TensorSpec], seed: int, dtype
             f.write(struct.pack("<Q", len(header_bytes)))
             f.write(header_bytes)
             for spec in specs:
-                for chunk in _tensor_chunks(spec, seed, torch_dtype):
+                for chunk in _tensor_chunks(spec, seed, torch_dtype, device):
                     f.write(chunk.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             if f.tell() != 8 + len(header_bytes) + offset:
                 raise RuntimeError(
@@ -155,7 +158,8 @@ def _write_safetensors(path: Path, specs: Sequence[TensorSpec], seed: int, dtype
         raise
 
 
-def _write_weights(preset: Preset, out: Path, seed: int, dtype: str, shard_size_bytes: int | None) -> list[str]:
+def _write_weights(preset: Preset, out: Path, seed: int, dtype: str, shard_size_bytes: int | None,
+                   device: str) -> list[str]:
     if sys.byteorder != "little":
         raise RuntimeError("safetensors data is little-endian; big-endian hosts are not supported")
     specs = preset.tensor_specs()
@@ -166,12 +170,12 @@ def _write_weights(preset: Preset, out: Path, seed: int, dtype: str, shard_size_
         limit = DEFAULT_MAX_SHARD_BYTES
     shards = _plan_shards(specs, itemsize, limit)
     if len(shards) == 1:
-        _write_safetensors(out / "model.safetensors", shards[0], seed, dtype)
+        _write_safetensors(out / "model.safetensors", shards[0], seed, dtype, device)
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, str] = {}
     for fname, shard in zip(names, shards, strict=True):
-        _write_safetensors(out / fname, shard, seed, dtype)
+        _write_safetensors(out / fname, shard, seed, dtype, device)
         weight_map.update({s.name: fname for s in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _atomic_write(out / "model.safetensors.index.json", _json_text(index))
@@ -345,6 +349,7 @@ def write_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     shard_size_bytes: int | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write a random-weight HF checkpoint of ``preset`` into ``out_dir`` and return its path.
 
@@ -353,7 +358,9 @@ def write_checkpoint(
     ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``.  Sharding happens
     when the data exceeds ``shard_size_bytes`` (default: :data:`DEFAULT_MAX_SHARD_BYTES`).
     ``dtype`` is ``"float32"``, ``"bfloat16"`` or ``"float16"``.  The same ``(preset, seed,
-    dtype)`` always yields identical bytes.  Weight files of an earlier write that this one
+    dtype)`` always yields identical bytes; ``device="cuda"`` draws the random weights on the GPU
+    (fast for multi-GB presets; identical bytes per ``(preset, seed, dtype, device)``).
+    Weight files of an earlier write that this one
     does not produce (e.g. old shards) are removed from ``out_dir``.
     """
     p = get_preset(preset)
@@ -362,7 +369,7 @@ def write_checkpoint(
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = set(_write_weights(p, out, seed, dtype, shard_size_bytes))
+    written = set(_write_weights(p, out, seed, dtype, shard_size_bytes, device))
     for stale in out.iterdir():
         if _WEIGHT_FILE_RE.match(stale.name) and stale.name not in written:
             stale.unlink()
