@@ -1,0 +1,68 @@
+"""One GPU: colocated and disaggregated fleets (both roles sharing the GPU) with CUDA graphs on
+match the in-process engine token for token, and every group's KV pages come back."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+import torch  # noqa: E402
+
+from cluster.fleet import Fleet  # noqa: E402
+from deploy.config import load_config  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _config(path, *extra):
+    # Two groups share the GPU: each takes half of it (Ray) and a small slice of its memory.
+    return load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "cache.num_pages=1024",
+                              "cache.gpu_memory_fraction=0.3", "scheduler.max_running_requests=16",
+                              "scheduler.chunked_prefill_size=1024", "graphs.prefill.max_tokens=1024",
+                              "graphs.decode.max_batch_size=16", "cluster.gpus_per_rank=0.5",
+                              "cluster.step_timeout_s=120", "cluster.start_timeout_s=600", *extra])
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 300, (n,), generator=g).tolist()
+    return [torch.randint(10, 1000, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def ray_gpu():
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=torch.cuda.device_count(),
+             include_dashboard=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoint_dir):
+    path = checkpoint_dir("tiny-llama")
+    prompts = _prompts(12)
+    expected = [o.token_ids for o in Engine(_config(path, "graphs.enabled=false")).generate(prompts, GREEDY)]
+    torch.cuda.empty_cache()
+    return path, prompts, expected
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_fleet_with_graphs_matches_engine(ray_gpu, setup, mode):
+    path, prompts, expected = setup
+    with Fleet.start(_config(path), mode=mode, name=f"gpu-{mode}") as fleet:
+        outs = fleet.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        groups = fleet.health()["groups"]
+        assert all(g["free_pages"] == g["num_pages"] and g["requests"] == 0 for g in groups.values()), groups
+        for gid in fleet.group_ids:
+            group = fleet.group(gid)
+            text = b"".join(ray.get([a.metrics_text.remote() for a in group.rank_actors()], timeout=60)).decode()
+            replayed = [line for line in text.splitlines() if line.startswith("cuda_graph_passes_total")
+                        and ('mode="decode_cuda_graph"' in line or 'mode="prefill_breakable"' in line)
+                        and not line.endswith(" 0.0")]
+            assert replayed, f"group {gid} ({group.role}) replayed no graph:\n{text[:2000]}"
