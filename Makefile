@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not gpu" -q
 
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) -m pytest -m gpu -v -p no:cacheprovider $(PYTEST_ARGS)
+	GRAPHFLEET_COMMIT=$$(cat .graphfleet-commit 2>/dev/null) PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) -m pytest -m gpu -v -p no:cacheprovider $(PYTEST_ARGS)
 
 bench:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) bench/engine.py

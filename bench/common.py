@@ -23,6 +23,9 @@ def commit() -> str:
     if os.environ.get("GRAPHFLEET_COMMIT"):
         return os.environ["GRAPHFLEET_COMMIT"]
     root = Path(__file__).resolve().parents[1]
+    stamp = root / ".graphfleet-commit"
+    if stamp.is_file() and not (root / ".git").is_dir():
+        return stamp.read_text().strip()
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=root).stdout.strip()
