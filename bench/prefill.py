@@ -1,17 +1,23 @@
-"""Prefill step time: eager vs breakable vs full prefill graphs vs the Meta library, one request.
+"""Prefill step time: eager vs breakable vs full vs tc_piecewise prefill graphs vs the Meta library.
 
 One request at a time, one output token, decode graphs off, prompt lengths 64..2048 (each a
 captured shape, so no padding), presets tinyllama-1.1b and llama-3-8b in bf16 with flashinfer.
 Peer: Meta's ``breakable-cuda-graphs`` 0.1.0 wrapping our same model with the same break
-(attention after the in-graph KV write). ``tc_piecewise`` is reported as not built.
+(attention after the in-graph KV write). ``tc_piecewise`` (torch.compile split at attention,
+pieces captured; the KV write is inside its attention op) also reports its compile and capture
+seconds apart.
 Timing: wall clock around host planning, replay and the LM head on the last token, with a
-device sync, median of ``--repeats`` after warm-up; all variants in one process.
+device sync, median of ``--repeats`` after warm-up. Every variant but tc_piecewise runs in one
+process per preset; tc_piecewise runs in a subprocess of its own, because torch.compile state is
+process-wide (building a model after a compile in the same process once tripped an assert).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +32,7 @@ from graphs.backends import create_backend  # noqa: E402
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner  # noqa: E402
 from worker.attention.base import AttentionBatch  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
-from worker.graph_steps import ModelPrefillStep, pad_prefill_batch  # noqa: E402
+from worker.graph_steps import CompiledPrefillStep, ModelPrefillStep, pad_prefill_batch  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
@@ -66,8 +72,10 @@ def eager(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float]:
     return out
 
 
-def graphs(setup: Setup, backend: str, lengths: list[int], repeats: int) -> tuple[dict[int, float], float]:
-    step = ModelPrefillStep(setup.model, setup.attention, breakable=backend == "breakable")
+def graphs(setup: Setup, backend: str, lengths: list[int], repeats: int) -> tuple[dict[int, float], dict]:
+    """Step seconds per length, and the build: ``seconds`` (plus compile/capture for tc_piecewise)."""
+    step = CompiledPrefillStep(setup.model, setup.attention) if backend == "tc_piecewise" else \
+        ModelPrefillStep(setup.model, setup.attention, breakable=backend == "breakable")
     runner = PrefillGraphRunner(step, create_backend(backend, CUDA), lengths, SLOTS, 2.0, None, torch.bfloat16)
     summary = runner.capture_all(progress=False)
     if runner.failed:
@@ -77,8 +85,22 @@ def graphs(setup: Setup, backend: str, lengths: list[int], repeats: int) -> tupl
         live = setup.batch(n)
         choice = runner.decide(live)
         out[n] = timed(lambda: setup.model.compute_logits(runner.execute(live, choice)[-1:]), repeats)
+    build = {"seconds": summary.seconds}
+    if backend == "tc_piecewise":
+        build |= runner.backend.stats()
     runner.release()
-    return out, summary.seconds
+    return out, build
+
+
+def tc_piecewise(path: Path, args: argparse.Namespace) -> tuple[dict[int, float], dict] | str:
+    """:func:`graphs` for tc_piecewise in a fresh process; an error string if it failed."""
+    cmd = [sys.executable, __file__, "--lengths", args.lengths, "--repeats", str(args.repeats), "--tc-one", str(path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return f"failed: {res.stderr[-500:]}"
+    got = json.loads(lines[-1])
+    return {int(n): t for n, t in got["times"].items()}, got["build"]
 
 
 def meta_peer(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float] | str:
@@ -132,30 +154,50 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--tc-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    rows, capture = [], {}
+    if args.tc_one:
+        times, build = graphs(Setup(Path(args.tc_one), max(lengths)), "tc_piecewise", lengths, args.repeats)
+        print(json.dumps({"times": times, "build": build}))
+        return
+    rows, capture, errors = [], {}, {}
     for preset in args.presets.split(","):
-        setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(lengths))
+        path = ensure_checkpoint(preset, Path(args.checkpoints))
+        setup = Setup(path, max(lengths))
         e = eager(setup, lengths, args.repeats)
         b, b_build = graphs(setup, "breakable", lengths, args.repeats)
         f, f_build = graphs(setup, "full", lengths, args.repeats)
         m = meta_peer(setup, lengths, args.repeats)
-        capture[preset] = {"breakable_s": b_build, "full_s": f_build}
-        for n in lengths:
-            r = {"preset": preset, "tokens": n, "eager_ms": e[n] * 1e3, "breakable_ms": b[n] * 1e3,
-                 "full_ms": f[n] * 1e3, "meta_ms": m[n] * 1e3 if isinstance(m, dict) else None,
-                 "tc_piecewise_ms": None, "full_x": e[n] / f[n], "breakable_x": e[n] / b[n]}
-            if isinstance(m, dict):
-                r["breakable_over_meta"] = b[n] / m[n]
-            rows.append(r)
         del setup
         gc.collect()
         torch.cuda.empty_cache()
-    print_table(rows, ["preset", "tokens", "eager_ms", "breakable_ms", "full_ms", "meta_ms", "full_x", "breakable_x",
-                       "breakable_over_meta"])
-    payload = {"env": environment(), "rows": rows, "capture": capture, "args": vars(args),
-               "tc_piecewise": "not built (graphs.prefill.backend=tc_piecewise raises at start-up)"}
+        tc = tc_piecewise(path, args)
+        capture[preset] = {"breakable_s": b_build["seconds"], "full_s": f_build["seconds"]}
+        if isinstance(tc, str):
+            errors[preset] = tc
+            tc = {}
+        else:
+            tc, tc_build = tc
+            capture[preset] |= {"tc_piecewise_s": tc_build["seconds"],
+                                "tc_piecewise_compile_s": tc_build["compile_seconds"],
+                                "tc_piecewise_capture_s": tc_build["capture_seconds"]}
+        for n in lengths:
+            r = {"preset": preset, "tokens": n, "eager_ms": e[n] * 1e3, "breakable_ms": b[n] * 1e3,
+                 "full_ms": f[n] * 1e3, "meta_ms": m[n] * 1e3 if isinstance(m, dict) else None,
+                 "tc_piecewise_ms": tc[n] * 1e3 if n in tc else None, "full_x": e[n] / f[n],
+                 "breakable_x": e[n] / b[n], "tc_piecewise_x": e[n] / tc[n] if n in tc else None}
+            if isinstance(m, dict):
+                r["breakable_over_meta"] = b[n] / m[n]
+            rows.append(r)
+    print_table(rows, ["preset", "tokens", "eager_ms", "breakable_ms", "full_ms", "tc_piecewise_ms", "meta_ms",
+                       "full_x", "breakable_x", "tc_piecewise_x", "breakable_over_meta"])
+    for preset, build in capture.items():
+        print(preset, "build seconds:", build)
+    payload = {"env": environment(), "rows": rows, "capture": capture, "args": vars(args)}
+    if errors:
+        payload["tc_piecewise_errors"] = errors
+        print("tc_piecewise failed:", errors)
     print(f"wrote {write_results('prefill', payload)}")
 
 

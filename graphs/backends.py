@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
+from graphs.piecewise import compile_clock
 from graphs.process import capture_stream, graph_pool, pool_bytes
 
 
@@ -222,6 +223,71 @@ class BreakableGraphBackend(GraphBackend):
         artifact.reset()
 
 
+class TcPiecewiseBackend(BreakableGraphBackend):
+    """Captures a ``torch.compile``d forward split at its opaque ops (:mod:`graphs.piecewise`).
+
+    ``fn`` must call a :class:`graphs.piecewise.PiecewiseCompiled` forward whose splitting ops run
+    ``@eager_break`` bodies (``worker.attention.splitting``). On CUDA each compiled piece is one
+    graph segment per shape and the ops run eagerly between segments (the breakable capture:
+    same pool, stream, boundary-buffer and fork contracts). Off CUDA nothing is captured: a
+    replay calls ``fn``, i.e. the compiled pieces run without graphs.
+
+    The first capture compiles (one compile serves every shape); ``compile_seconds`` and
+    ``capture_seconds`` split this backend's capture wall time into the two.
+    """
+
+    name = "tc_piecewise"
+
+    def __init__(self, device: torch.device, warmup: int = 2,
+                 barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> None:
+        super().__init__(device, warmup, barrier, pool)
+        self.compile_seconds = 0.0
+        self.capture_seconds = 0.0
+        self.compiles = 0
+
+    @property
+    def is_graph(self) -> bool:
+        return self.device.type == "cuda"
+
+    def capture(self, key: Hashable, fn: Callable[[], None], phase: str = "") -> CapturedShape:
+        start = time.perf_counter()
+        with compile_clock() as clock:
+            try:
+                shape = super().capture(key, fn, phase)
+            finally:
+                self.compile_seconds += clock.seconds
+                self.compiles += clock.compiles
+                self.capture_seconds += time.perf_counter() - start - clock.seconds
+        if self.device.type != "cuda":
+            shape.num_segments, shape.num_breaks = clock.pieces, clock.splits
+        return shape
+
+    def stats(self) -> dict[str, float | int]:
+        """Compile and capture seconds spent in this backend's captures, compiles, shapes held.
+
+        A compile triggered outside ``capture`` (the budget's eager timing of a shape) is not
+        counted here; ``PiecewiseCompiled.compile_seconds`` counts every compile of a forward.
+        """
+        return {"compile_seconds": self.compile_seconds, "capture_seconds": self.capture_seconds,
+                "compiles": self.compiles, "shapes": len(self.shapes)}
+
+    def _capture(self, fn):
+        if self.device.type == "cuda":
+            return super()._capture(fn)
+        fn()  # compiles on the first shape, so capture time and compile time are known here too
+        return fn, 0, 0
+
+    def _replay(self, artifact):
+        if self.device.type == "cuda":
+            artifact.replay()
+        else:
+            artifact()
+
+    def _release(self, artifact):
+        if self.device.type == "cuda":
+            artifact.reset()
+
+
 class DebugBackend(GraphBackend):
     """The whole forward as one eager break: no graph, but the runner's full replay path.
 
@@ -244,15 +310,19 @@ class DebugBackend(GraphBackend):
 BACKENDS: dict[str, type[GraphBackend]] = {
     "full": FullGraphBackend,
     "breakable": BreakableGraphBackend,
+    "tc_piecewise": TcPiecewiseBackend,
     "debug": DebugBackend,
 }
 
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> GraphBackend:
-    """``full``, ``breakable`` or ``debug`` (``eager`` means no runner at all)."""
+    """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` means no runner at all).
+
+    Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
+    """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
-    if name != "debug" and device.type != "cuda":
-        raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug' or 'eager'")
+    if name not in ("debug", "tc_piecewise") and device.type != "cuda":
+        raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
     return BACKENDS[name](device, warmup, barrier, pool)

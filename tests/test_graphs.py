@@ -145,8 +145,9 @@ def test_graph_backends_need_cuda():
     for name in ("full", "breakable"):
         with pytest.raises(ValueError, match="needs CUDA"):
             create_backend(name, torch.device("cpu"))
-    with pytest.raises(ValueError, match="allowed: full, breakable, debug"):
+    with pytest.raises(ValueError, match="allowed: full, breakable, tc_piecewise, debug"):
         create_backend("fast", torch.device("cpu"))
+    assert not create_backend("tc_piecewise", torch.device("cpu")).is_graph  # compiled pieces, no graphs
 
 
 def test_eager_break_outside_capture_is_a_plain_call():

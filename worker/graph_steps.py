@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from graphs.piecewise import PiecewiseCompiled
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.attention.breaking import BreakingAttention
+from worker.attention.splitting import SPLITTING_OPS, SplittingAttention
 from worker.kv_cache import PagedKVCache
 from worker.model.llama import LlamaForCausalLM
 
@@ -104,3 +106,26 @@ class ModelPrefillStep(_ModelStep):
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self._forward_attention)
+
+
+class CompiledPrefillStep(ModelPrefillStep):
+    """Prefill step for the ``tc_piecewise`` backend: the body under ``torch.compile(fullgraph=True)``,
+    split at the attention custom op (:mod:`worker.attention.splitting`), pieces compiled by
+    ``compiler`` (``inductor`` or ``eager``).
+
+    One compile (symbolic token count) serves every bucket. Build one per model and attention
+    backend and reuse it (see :mod:`graphs.piecewise` on dynamo's process-wide caches). On CUDA,
+    flashinfer's fused element-wise kernels are traced as their PyTorch equivalents, which
+    inductor fuses (vLLM likewise compiles native ops instead of its custom kernels).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, compiler: str = "inductor") -> None:
+        super().__init__(model, attention, breakable=True)
+        self._forward_attention = SplittingAttention(attention)
+        self.compiled = PiecewiseCompiled(self._traced_forward, SPLITTING_OPS, compiler)
+
+    def _traced_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self._forward_attention)
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.compiled(input_ids, positions)

@@ -24,7 +24,7 @@ from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
 from worker.attention.factory import create_attention_backend
-from worker.graph_steps import ModelDecodeStep, ModelPrefillStep
+from worker.graph_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
 from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.model.arch import ModelArch
 from worker.model.kernels import select_kernels
@@ -87,6 +87,7 @@ class Worker:
             sched.chunked_prefill_size)
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
+        self._tc_step: CompiledPrefillStep | None = None
 
     @classmethod
     def local(cls, config: Config, registry: CollectorRegistry | None = None) -> Worker:
@@ -238,14 +239,14 @@ class Worker:
         if name == "eager":
             log.info("%s runs eagerly (graphs.%s.backend=eager)", phase, phase)
             return None, "disabled"
-        if self.device.type != "cuda" and name != "debug":
+        if self.device.type != "cuda" and name not in ("debug", "tc_piecewise"):
             log.info("no CUDA device: CUDA graphs are off and %s runs eagerly on %s "
                      "(graphs.%s.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
                      phase, self.device, phase, name)
             return None, "no_cuda"
-        if name == "tc_piecewise":
-            raise ValueError("graphs.prefill.backend=tc_piecewise (the torch.compile comparator) is not built yet; "
-                             "use breakable, full, eager or debug")
+        if name == "tc_piecewise" and self.device.type != "cuda":
+            log.info("no CUDA device: graphs.%s.backend=tc_piecewise runs its torch.compile pieces without "
+                     "CUDA graphs on %s", phase, self.device)
         return name, ""
 
     def _barrier(self):
@@ -263,11 +264,21 @@ class Worker:
         if name == "full":
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
                         "with fixed request slots; breakable is the production default")
-        step = ModelPrefillStep(self.model, self.attention, breakable=name != "full")
+        step = self._compiled_prefill_step() if name == "tc_piecewise" else \
+            ModelPrefillStep(self.model, self.attention, breakable=name != "full")
         runner = PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool), ladder,
                                     p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
                                     self.dtype)
         return runner, "disabled"
+
+    def _compiled_prefill_step(self) -> CompiledPrefillStep:
+        """The tc_piecewise step, built once: re-plans reuse its compile (dynamo caches per code
+        object, process-wide, and recompiling the same code counts against its recompile limit)."""
+        if self._tc_step is None:
+            log.info("graphs.prefill.backend=tc_piecewise: torch.compile(fullgraph=True) of the prefill forward, "
+                     "split at attention; the first capture compiles")
+            self._tc_step = CompiledPrefillStep(self.model, self.attention)
+        return self._tc_step
 
     def _build_decode_graphs(self, widen: bool, pool: tuple | None = None) -> tuple[DecodeGraphRunner | None, str]:
         """The decode runner (not yet captured) over its candidate ladder, or None and why not."""

@@ -4,6 +4,10 @@ Same signatures as ``worker.model.kernels.TorchKernels``; selected by ``select_k
 module imports on CPU: flashinfer is loaded on first use. Each kernel JIT-loads (or compiles) on
 its first call, so run one eager forward before capturing a CUDA graph; after that every call is
 a plain kernel launch (graph-safe). All of them compute in fp32 internally.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``, decided at trace time) each kernel is
+traced as its ``TorchKernels`` equivalent instead, which inductor fuses; in-place results are
+then new tensors, which the callers' contract (never reuse the inputs' old values) allows.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import functools
 from types import SimpleNamespace
 
 import torch
+
+from worker.model.kernels import TorchKernels
 
 name = "flashinfer"
 
@@ -44,6 +50,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dim (fp32 math); returns a new tensor shaped like ``x``."""
+    if torch.compiler.is_compiling():
+        return TorchKernels.rms_norm(x, weight, eps)
     return _ops().rmsnorm(_rows(x), weight.to(x.dtype), eps).view(x.shape)
 
 
@@ -57,6 +65,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     old values. Non-contiguous inputs are copied first and left untouched. The sum is stored in
     ``residual``'s dtype and the norm is taken of the fp32 sum before that rounding.
     """
+    if torch.compiler.is_compiling():
+        return TorchKernels.fused_add_rms_norm(x, residual, weight, eps)
     h, r = _rows(x), _rows(residual)
     _ops().fused_add_rmsnorm(h, r, weight.to(x.dtype), eps)
     return h.view(x.shape), r.view(residual.shape)
@@ -64,6 +74,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [..., gate (I) | up (I)]``; returns ``[..., I]``."""
+    if torch.compiler.is_compiling():
+        return TorchKernels.silu_and_mul(x)
     return _ops().silu_and_mul(x.contiguous())
 
 
@@ -77,5 +89,7 @@ def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_d
     ``q``/``k`` may be strided views (e.g. of a fused qkv output) as long as the last dim is
     contiguous; they are rotated in place and returned.
     """
+    if torch.compiler.is_compiling():
+        return TorchKernels.apply_rope(positions, q, k, head_dim, cos_sin_cache)
     _ops().rope_inplace(positions.contiguous(), q, k, head_dim, cos_sin_cache, is_neox=True)
     return q, k
