@@ -4,13 +4,16 @@ For each bucket: wall time of the attention ``plan`` alone (host), of a replay a
 the sync), of the whole runner step (load + plan + replay + sync), the HBM floor, and from one
 profiled replay the number of kernels, their summed device time and the largest kernels. The
 gap between replay wall time and summed kernel time is launch/dependency overhead inside the
-graph; the gap between the step and the replay is host work.
+graph; the gap between the step and the replay is host work. ``pipelined_ms`` issues steps back
+to back (host work of the next step overlapping the GPU work of this one, as a serving loop
+does). Variants compare flashinfer's two decode kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,8 +48,28 @@ def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
     return count, total, top
 
 
-def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict) -> None:
+def pipelined(fn, steps: int = 50) -> float:
+    """Seconds per call of ``fn`` issued back to back, one sync at the end: the host work of step
+    n+1 (plan, input copies) overlaps the GPU work of step n, as in a serving loop."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
+def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict,
+                   variant: str) -> None:
     setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(batches), args.context, args.attention)
+    if variant == "cuda_core_decode":
+        from worker.attention.flashinfer_backend import FlashInferBackend
+
+        a = setup.attention
+        setup.attention = FlashInferBackend(a.shape, setup.cache, a.max_num_rows, a.max_num_tokens,
+                                            setup.pages_per_row, decode_use_tensor_cores=False)
     step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     runner = DecodeGraphRunner(step, create_backend("full", CUDA), batches)
     runner.capture_all(progress=False)
@@ -61,12 +84,14 @@ def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list,
 
         replay_ms = timed(replay, args.repeats) * 1e3
         step_ms = timed(lambda: runner.execute(live, choice), args.repeats) * 1e3
+        pipelined_ms = pipelined(lambda: runner.execute(live, choice)) * 1e3
         n, kernel_ms, top = kernels_of_replay(replay)
         floor_ms = setup.floor_bytes(b) / bw * 1e3
-        rows.append({"preset": preset, "bucket": b, "plan_ms": plan_ms, "replay_ms": replay_ms,
-                     "step_ms": step_ms, "kernels": n, "kernel_ms": kernel_ms, "floor_ms": floor_ms,
-                     "step/floor": step_ms / floor_ms})
-        details[f"{preset}/{b}"] = top
+        rows.append({"preset": preset, "variant": variant, "bucket": b, "plan_ms": plan_ms, "replay_ms": replay_ms,
+                     "step_ms": step_ms, "pipelined_ms": pipelined_ms, "kernels": n, "kernel_ms": kernel_ms,
+                     "floor_ms": floor_ms, "step/floor": step_ms / floor_ms,
+                     "pipelined/floor": pipelined_ms / floor_ms})
+        details[f"{preset}/{variant}/{b}"] = top
     runner.release()
 
 
@@ -77,16 +102,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--attention", default="flashinfer")
+    ap.add_argument("--variants", default="tensor_core_decode,cuda_core_decode",
+                    help="flashinfer decode kernel: FA2 prefill kernel (tensor cores) or the CUDA-core decode kernel")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth()
     rows, details = [], {}
     for preset in args.presets.split(","):
-        measure_preset(preset, batches, args, bw, rows, details)
-        torch.cuda.empty_cache()
-    print_table(rows, ["preset", "bucket", "plan_ms", "replay_ms", "step_ms", "kernels", "kernel_ms", "floor_ms",
-                       "step/floor"])
+        for variant in args.variants.split(","):
+            measure_preset(preset, batches, args, bw, rows, details, variant)
+            torch.cuda.empty_cache()
+    print_table(rows, ["preset", "variant", "bucket", "plan_ms", "replay_ms", "step_ms", "pipelined_ms", "kernels",
+                       "kernel_ms", "floor_ms", "step/floor", "pipelined/floor"])
     for key, top in details.items():
         print(f"\n{key}: top kernels (ms, count)")
         for name, ms, count in top:
