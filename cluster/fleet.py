@@ -20,7 +20,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,9 +29,10 @@ import ray
 from cluster.fleet_config import FleetConfig
 from cluster.fleet_group import FleetWorkerGroup
 from cluster.fleet_loop import FleetLoop, GroupSlot
+from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import FleetRequest
 from cluster.kv_transport import create_transport
-from cluster.rank import GroupUnavailable
+from cluster.rank import GroupState, GroupUnavailable
 from cluster.router import Overloaded, Router
 from deploy.config import Config
 from worker.engine import Engine, RequestEvent, RequestOutput
@@ -57,12 +58,23 @@ class RequestHandle:
         self.request_id = request.request_id
         self._fleet, self._sink, self._timeout_s = fleet, request.sink, request.timeout_s
         self._submitted = request.submitted
+        self._token_times = request.token_times
         self._output: RequestOutput | None = None
         self._finished = False
 
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def token_times(self) -> list[float]:
+        """``time.monotonic()`` at which the fleet delivered each event carrying tokens, in order.
+
+        Entry ``k`` is there once the ``k``-th such event can be read from :meth:`events`; after
+        :meth:`result`, every entry is. The first is the first token's time (TTFT), the gaps
+        between them the inter-token latencies.
+        """
+        return self._token_times
 
     def _next(self, wait_s: float | None) -> RequestEvent | RequestOutput:
         """The next item from the loop; waits at most ``wait_s`` (None: until the request's deadline)."""
@@ -130,8 +142,12 @@ class Fleet:
     # ----- lifecycle -----
 
     @classmethod
-    def start(cls, config: Config, **fleet_options) -> Fleet:
+    def start(cls, config: Config, on_group_state: Callable[[str, GroupState], None] | None = None,
+              **fleet_options) -> Fleet:
         """Start every group of the fleet (concurrently) and its loop; see :class:`FleetConfig` for options.
+
+        ``on_group_state(group_id, state)`` hears every group's lifecycle changes (start-up phases
+        included), from the thread making them.
 
         Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
         lacks, ``GroupUnavailable`` if a group fails to start (the others are shut down).
@@ -145,7 +161,8 @@ class Fleet:
         groups: dict[str, FleetWorkerGroup] = {}
         errors: list[str] = []
         with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-start") as pool:
-            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role) for gid, role in layout}
+            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role, on_group_state)
+                       for gid, role in layout}
             for gid, fut in futures.items():
                 try:
                     groups[gid] = fut.result()
@@ -303,6 +320,13 @@ class Fleet:
             snapshot["status"] = "dead"
             snapshot["error"] = self._stopped_why()
         return snapshot
+
+    def rank_metrics(self, timeout_s: float = 1.0) -> list[bytes]:
+        """The Prometheus text of every rank's registry (``cuda_graph_*`` labelled group, rank, role).
+
+        Ranks that are dead, restarting or busy past ``timeout_s`` (all ranks share it) are left out.
+        """
+        return gather_rank_metrics([s.group for s in self.slots], timeout_s)
 
     def group(self, group_id: str) -> FleetWorkerGroup:
         """The worker group ``group_id`` (for probes and fault injection; do not drive it)."""

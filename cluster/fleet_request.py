@@ -36,6 +36,7 @@ class FleetRequest:
     payload: object = None
     holds_admission: bool = True  # counts against the router's queue bound until first dispatched
     last_failure: str | None = None
+    token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each event with tokens
 
     @property
     def deadline(self) -> float | None:
@@ -49,7 +50,9 @@ class FleetRequest:
         return max(0, min(self.params.max_tokens - len(self.output_ids), max_model_len - self.num_tokens))
 
     def deliver(self, event: RequestEvent) -> None:
-        """Record ``event`` as sent and send it to the client."""
+        """Record ``event`` as sent (with its time, if it carries tokens) and send it to the client."""
+        if event.token_ids:
+            self.token_times.append(time.monotonic())  # before the put: a reader of event k sees time k
         self.output_ids.extend(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -115,10 +116,14 @@ class WorkerGroup:
 
     rank_actor_cls = RankActor  #: the actor class of each rank; subclasses add per-rank methods
 
-    def __init__(self, config: Config, group_id: str = "g0", role: str = "colocated") -> None:
+    def __init__(self, config: Config, group_id: str = "g0", role: str = "colocated",
+                 on_state: Callable[[str, GroupState], None] | None = None) -> None:
+        """Start the group (blocks until it is ready or failed). ``on_state(group_id, state)`` is
+        called on every lifecycle change, from the thread making it (e.g. to report start-up phases)."""
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialized: call ray.init(...) (tests: _node_ip_address='127.0.0.1')")
         self.config, self.group_id, self.role = config, group_id, role
+        self._on_state = on_state
         self._cond = threading.Condition()
         self._state = GroupState.STARTING
         self._generation = 0
@@ -144,6 +149,8 @@ class WorkerGroup:
         with self._cond:
             self._state = state
             self._cond.notify_all()
+        if self._on_state is not None:
+            self._on_state(self.group_id, state)
 
     def _start(self) -> None:
         inc = _Incarnation(self.group_id, self._generation, self.config, self.role, self.rank_actor_cls)

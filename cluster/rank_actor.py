@@ -98,9 +98,10 @@ class RankActor:
         return {"captured": counts.captured, "eager": counts.eager}
 
     def metrics_text(self) -> bytes:
+        """This rank's registry in the Prometheus text format (empty before :meth:`load`)."""
         from prometheus_client import generate_latest
 
-        return generate_latest(self.worker.registry)
+        return generate_latest(self.worker.registry) if self.worker is not None else b""
 
     def ping(self) -> str:
         return self.info.name

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +28,7 @@ from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError
+from deploy.metrics_merge import merge_expositions
 from deploy.streaming import (
     Job,
     abort_unfinished,
@@ -49,6 +50,8 @@ __all__ = ["MAX_N", "ApiError", "build_app"]
 MAX_N = 16
 #: Seconds a client is told to wait after a 429.
 RETRY_AFTER_S = 1
+#: Seconds a ``/metrics`` scrape waits for the ranks' graph metrics.
+RANK_METRICS_TIMEOUT_S = 2.0
 
 
 def build_app(fleet, tokenizer, config) -> FastAPI:
@@ -124,8 +127,11 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        """The API's metrics and every rank's ``cuda_graph_*`` (labelled group, rank, role); ranks that
+        do not answer within ``RANK_METRICS_TIMEOUT_S`` are left out of this scrape."""
         metrics.observe_fleet(fleet.health())
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        ranks = await asyncio.to_thread(fleet.rank_metrics, RANK_METRICS_TIMEOUT_S)
+        return Response(merge_expositions(metrics.registry, ranks), media_type=CONTENT_TYPE_LATEST)
 
     # ----- API -----
 
@@ -318,9 +324,10 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
             seed = None if params.seed is None or n == 1 else (params.seed + k) % (1 << 64)
             planned.append((ids, params if seed is None else _replace_seed(params, seed)))
     jobs: list[Job] = []
+    t0 = time.monotonic()
     try:
         for index, (ids, params) in enumerate(planned):
-            jobs.append(Job(index, len(ids), fleet.submit(ids, params, timeout_s=timeout_s)))
+            jobs.append(Job(index, len(ids), fleet.submit(ids, params, timeout_s=timeout_s), t0))
     except Overloaded as e:
         abort_unfinished(jobs)
         metrics.rejected.labels(reason="overloaded").inc()
@@ -332,8 +339,6 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
     except FleetClosed as e:
         abort_unfinished(jobs)
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
-    for j in jobs:
-        j.t0 = time.monotonic()
     return jobs
 
 
@@ -369,6 +374,7 @@ async def _results(jobs: list[Job], metrics: ApiMetrics) -> list:
     finally:
         abort_unfinished(jobs)  # only unfinished ones: a cancelled (disconnected) request
     for j, o in zip(jobs, outs):
+        j.observe_tokens(metrics)
         metrics.finished(j.t0, j.prompt_len, len(o.token_ids), o.finish_reason)
     err = _failed(outs)
     if err is not None:

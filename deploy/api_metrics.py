@@ -1,24 +1,35 @@
 """Request-level Prometheus metrics of the HTTP API.
 
 Names follow the serving issue's list; vLLM exports the same names with a ``vllm:`` prefix.
+Each app has its own registry (label ``model_name``), served at ``/metrics`` together with every
+rank's ``cuda_graph_*`` metrics (see :mod:`deploy.metrics_merge`).
 
-Each app has its own registry (label ``model_name``), served at ``/metrics``.
+Token timing comes from the fleet, not from the HTTP side: the fleet's loop stamps each event
+that carries tokens as it delivers it (:attr:`cluster.fleet.RequestHandle.token_times`), for
+streamed and non-streamed requests alike. ``time_to_first_token_seconds`` is the first stamp
+minus the request's arrival at the API; ``inter_token_latency_seconds`` gets one observation per
+later event (the gap to the one before; an event is one engine step, one token per request).
+Streams observe them as the events are sent; non-streamed requests when their response is built.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class ApiMetrics:
     """``prompt_tokens``, ``generation_tokens``, ``request_success{finish_reason}``,
-    ``time_to_first_token_seconds`` (streamed requests), ``e2e_request_latency_seconds``,
-    ``num_requests_running`` / ``num_requests_waiting`` and ``graphfleet_api_rejected{reason}``."""
+    ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
+    ``num_requests_running`` / ``num_requests_waiting``, ``kv_cache_usage_ratio{group,role}`` and
+    ``graphfleet_api_rejected{reason}``."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = reg = CollectorRegistry()
@@ -28,12 +39,16 @@ class ApiMetrics:
         self.generation_tokens = Counter("generation_tokens", "Generated tokens", label, registry=reg)
         self.success = Counter("request_success", "Finished requests by finish reason",
                                [*label, "finish_reason"], registry=reg)
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token (streamed requests)",
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first token's delivery",
                               label, buckets=_LATENCY_BUCKETS, registry=reg)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency from submission to finish",
+        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive token deliveries "
+                             "of one request", label, buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency from arrival to finish",
                              label, buckets=_LATENCY_BUCKETS, registry=reg)
         self.running = Gauge("num_requests_running", "Requests on a worker group", label, registry=reg)
         self.waiting = Gauge("num_requests_waiting", "Requests queued for a worker group", label, registry=reg)
+        self.kv_usage = Gauge("kv_cache_usage_ratio", "Fraction of a group's usable KV pages held by requests "
+                              "(1 - free/usable; 1 = full)", [*label, "group", "role"], registry=reg)
         self._rejected = Counter("graphfleet_api_rejected", "Requests refused before queueing",
                                  [*label, "reason"], registry=reg)
 
@@ -41,8 +56,16 @@ class ApiMetrics:
     def rejected(self):
         return _Bound(self._rejected, self.model_name)
 
-    def first_token(self, t0: float) -> None:
-        self.ttft.labels(self.model_name).observe(time.monotonic() - t0)
+    def token_times(self, t0: float, times: Sequence[float], start: int, stop: int) -> int:
+        """Observe the token deliveries ``times[start:stop]`` of a request that arrived at ``t0``
+        (the first as TTFT, later ones as inter-token gaps); returns ``stop``, the next start."""
+        m = self.model_name
+        for k in range(start, stop):
+            if k == 0:
+                self.ttft.labels(m).observe(times[0] - t0)
+            else:
+                self.itl.labels(m).observe(times[k] - times[k - 1])
+        return max(start, stop)
 
     def finished(self, t0: float, prompt_tokens: int, generated: int, finish_reason: str | None) -> None:
         m = self.model_name
@@ -56,6 +79,11 @@ class ApiMetrics:
         queued = health.get("queued") or 0
         self.waiting.labels(self.model_name).set(queued)
         self.running.labels(self.model_name).set(max(0, (health.get("in_flight") or 0) - queued))
+        for gid, g in health.get("groups", {}).items():
+            usable = g.get("num_pages") or 0
+            if usable > 0:  # a starting group has no pages yet
+                used = 1.0 - (g.get("free_pages") or 0) / usable
+                self.kv_usage.labels(self.model_name, gid, g.get("role") or "").set(used)
 
 
 class _Bound:

@@ -48,13 +48,15 @@ def build_config(args: dict[str, Any]):
 class StartingFleet:
     """A :class:`cluster.fleet.Fleet` started in a background thread, so the API answers (503) while it starts.
 
-    Until the fleet is up, :meth:`health` reports ``starting`` (or ``dead`` with the error if the
-    start failed) and ``ready`` is False; afterwards every attribute is the fleet's.
+    Until the fleet is up, :meth:`health` reports ``starting`` with each group's phase so far
+    (``starting``: placement, rendezvous, load; ``capturing``; ``ready``), or ``dead`` with the
+    error if the start failed, and ``ready`` is False; afterwards every attribute is the fleet's.
     """
 
     def __init__(self, config, fleet_options: dict) -> None:
         self._fleet = None
         self._error: str | None = None
+        self._phases: dict[str, str] = {}
         self._thread = threading.Thread(target=self._start, args=(config, fleet_options), name="fleet-start",
                                         daemon=True)
         self._thread.start()
@@ -62,8 +64,11 @@ class StartingFleet:
     def _start(self, config, fleet_options: dict) -> None:
         from cluster.fleet import Fleet
 
+        def on_state(group_id: str, state) -> None:
+            self._phases[group_id] = state.value
+
         try:
-            self._fleet = Fleet.start(config, **fleet_options)
+            self._fleet = Fleet.start(config, on_group_state=on_state, **fleet_options)
         except Exception as e:  # noqa: BLE001 (reported by health(); Serve then restarts the replica)
             log.exception("fleet start failed")
             self._error = f"fleet start failed: {type(e).__name__}: {e}"
@@ -75,9 +80,15 @@ class StartingFleet:
     def health(self) -> dict:
         if self._fleet is not None:
             return self._fleet.health()
+        phases = dict(self._phases)  # one atomic copy: start threads add to it meanwhile
+        groups = {gid: {"state": phase} for gid, phase in sorted(phases.items())}
         if self._error is not None:
-            return {"status": "dead", "groups": {}, "error": self._error}
-        return {"status": "starting", "groups": {}, "queued": 0, "in_flight": 0}
+            return {"status": "dead", "groups": groups, "error": self._error}
+        return {"status": "starting", "groups": groups, "queued": 0, "in_flight": 0}
+
+    def rank_metrics(self, timeout_s: float = 1.0) -> list[bytes]:
+        """:meth:`cluster.fleet.Fleet.rank_metrics`; none while the fleet starts."""
+        return self._fleet.rank_metrics(timeout_s) if self._fleet is not None else []
 
     def shutdown(self) -> None:
         self._thread.join()

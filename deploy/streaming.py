@@ -22,12 +22,19 @@ from deploy.errors import ApiError
 
 @dataclass
 class Job:
-    """One choice: its index, prompt length, and the fleet's handle."""
+    """One choice: its index, prompt length, the fleet's handle, its arrival time (``time.monotonic``)
+    and how many of its token deliveries the metrics have seen."""
 
     index: int
     prompt_len: int
     handle: Any
-    t0: float = 0.0
+    t0: float
+    observed: int = 0
+
+    def observe_tokens(self, metrics: ApiMetrics, upto: int | None = None) -> None:
+        """Observe TTFT and inter-token gaps of token deliveries ``observed..upto`` (None: all so far)."""
+        times = self.handle.token_times
+        self.observed = metrics.token_times(self.t0, times, self.observed, len(times) if upto is None else upto)
 
 
 def abort_unfinished(jobs: list[Job]) -> None:
@@ -112,8 +119,8 @@ class _StreamState:
         self.done: set[int] = set()
 
     def add(self, job: Job, ev) -> None:
-        if ev.token_ids and self.completion[job.index] == 0:
-            self.metrics.first_token(job.t0)
+        if ev.token_ids:
+            job.observe_tokens(self.metrics, job.observed + 1)  # this event's delivery time
         self.completion[job.index] += len(ev.token_ids)
         if ev.finished:
             self.done.add(job.index)

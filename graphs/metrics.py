@@ -35,6 +35,8 @@ class GraphMetrics:
                                        ["phase", *extra], buckets=(1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0),
                                        registry=reg)
         self.replans = Counter("cuda_graph_replans", "Live re-plans of the graph ladders", extra, registry=reg)
+        if self.labels:  # export 0 before the first re-plan (an unlabelled counter always has its sample)
+            self.replans.labels(**self.labels)
 
     def record_pass(self, phase: str, backend: str | None, reason: str | None) -> None:
         """One forward pass; ``backend`` None (or a non-graph backend) counts as ``<phase>_none``."""

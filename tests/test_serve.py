@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -20,6 +18,8 @@ from ray import serve
 
 from deploy.config import load_config
 from deploy.serve_app import app_builder
+from tests.serve_harness import OVERRIDES, free_port, wait_healthy
+from tests.serve_harness import http as _http
 from worker.engine import Engine
 from worker.sampling.params import SamplingParams
 
@@ -27,46 +27,6 @@ API_KEY = "sk-test-123"
 MAX_TOKENS = 8
 PROMPTS = ["The fleet of graphs sails at dawn and", "Hello"]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
-
-OVERRIDES = ["model.device=cpu", "graphs.debug=true", "cache.num_pages=128", "scheduler.max_running_requests=8",
-             "scheduler.chunked_prefill_size=512", "graphs.prefill.max_tokens=512",
-             "graphs.decode.max_batch_size=8", "cluster.step_timeout_s=60", "cluster.start_timeout_s=120"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(base: str, timeout_s: float = 120.0) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        status, body, _ = _http("GET", f"{base}/health")
-        if status == 200:
-            return
-        assert status in (404, 503), (status, body)  # 404: Serve has no route yet
-        assert time.monotonic() < end, f"not healthy after {timeout_s}s: {status} {body}"
-        time.sleep(0.1)
-
-
-def _http(method: str, url: str, body: bytes | str | dict | None = None, headers: dict | None = None):
-    """(status, parsed JSON or text, headers) of one request; never raises on HTTP errors."""
-    if isinstance(body, dict):
-        body = json.dumps(body)
-    if isinstance(body, str):
-        body = body.encode()
-    req = urllib.request.Request(url, data=body, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            status, raw, hdrs = r.status, r.read(), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        status, raw, hdrs = e.code, e.read(), dict(e.headers)
-    try:
-        return status, json.loads(raw), hdrs
-    except ValueError:
-        return status, raw.decode(), hdrs
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +39,12 @@ def server(path):
     """Base URL of a running app (colocated fleet, API key required)."""
     ray.init(_node_ip_address="127.0.0.1", num_cpus=16, include_dashboard=False, log_to_driver=False,
              ignore_reinit_error=True)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = app_builder({"model": str(path), "overrides": OVERRIDES, "api_key": API_KEY, "model_name": "tiny",
                        "fleet": {"name": "srv"}})
     serve.run(app, name="graphfleet", route_prefix="/", blocking=False)
-    _wait_healthy(f"http://127.0.0.1:{port}")
+    wait_healthy(f"http://127.0.0.1:{port}")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -112,7 +72,7 @@ def disagg_client(server, path):
     app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
                        "fleet": {"name": "sdis", "mode": "disaggregated"}})
     serve.run(app, name="graphfleet-dis", route_prefix="/dis", blocking=False)
-    _wait_healthy(f"{server}/dis")
+    wait_healthy(f"{server}/dis")
     yield openai.OpenAI(base_url=f"{server}/dis/v1", api_key="unused", max_retries=0, timeout=120)
     serve.delete("graphfleet-dis")
 
@@ -293,7 +253,7 @@ def limited(server, path):
     app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
                        "request_timeout_s": 1.5, "fleet": {"name": "slim", "max_queued_requests": 2}})
     serve.run(app, name="graphfleet-lim", route_prefix="/lim", blocking=False)
-    _wait_healthy(f"{server}/lim")
+    wait_healthy(f"{server}/lim")
     yield f"{server}/lim"
     serve.delete("graphfleet-lim")
 

@@ -1,0 +1,221 @@
+"""Online serving through the OpenAI API, in the manner of ``vllm bench serve``.
+
+Starts a graphfleet Serve app on 127.0.0.1 (or attaches to one with ``--url``), then for each
+request rate of ``--rates`` sends ``--num-prompts`` random-token prompts with Poisson arrivals
+(``inf``: all at once), streamed, and reports TTFT, TPOT, ITL and e2e (p50, p99), request and
+output-token throughput, goodput (requests within ``--slo-ttft-ms`` and ``--slo-tpot-ms``, per
+second), and from ``/metrics`` before and after each rate the decode graph hit ratio: replayed
+decode passes (``decode_cuda_graph`` + ``decode_breakable``) over all decode passes of every rank.
+``--compare`` also times the in-process engine's decode step at ``--compare-batch`` requests and
+the same batch through Serve (steady-state decode tokens/s of both, and their ratio).
+
+GPU machine: ``PYTHONPATH=/tmp/site:. python3 bench/serve.py`` (add ``--mode disaggregated`` with
+two GPUs). Here, on CPU: ``python bench/serve.py --quick`` (tiny-llama, a few prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from bench.common import environment, print_table, wall_times, write_results  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+from bench.serve_load import random_prompts, run_load, steady_decode_rate, summarize  # noqa: E402
+
+REPLAYED = ("decode_cuda_graph", "decode_breakable")
+#: Sizes that keep a CPU run (no GPU) quick: small cache, batch and prefill chunks.
+CPU_OVERRIDES = ["model.device=cpu", "cache.num_pages=1024", "scheduler.chunked_prefill_size=512",
+                 "graphs.prefill.max_tokens=512"]
+
+
+def _get(url: str, headers: dict | None = None, timeout: float = 30.0):
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def wait_healthy(base: str, timeout_s: float) -> dict:
+    """``/health`` once it answers 200 (the fleet is up); raises with the last answer after ``timeout_s``."""
+    end, last, shown = time.monotonic() + timeout_s, None, None
+    while time.monotonic() < end:
+        try:
+            status, body = _get(f"{base}/health")
+            if status == 200:
+                return json.loads(body)
+        except OSError as e:  # 404/503 while Serve routes and the fleet starts; refused before
+            last = e.read().decode() if getattr(e, "code", None) == 503 else e
+        if last is not None and str(last) != shown:
+            print(f"waiting for the fleet: {last}", flush=True)
+            shown = str(last)
+        time.sleep(0.5)
+    raise SystemExit(f"not healthy after {timeout_s:g}s: {last}")
+
+
+def decode_passes(base: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(decode passes by mode, decode fallbacks by reason), summed over every rank of ``/metrics``."""
+    _, text = _get(f"{base}/metrics")
+    modes: dict[str, float] = {}
+    reasons: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("phase") != "decode":
+                continue
+            if s.name == "cuda_graph_passes_total":
+                modes[s.labels["mode"]] = modes.get(s.labels["mode"], 0.0) + s.value
+            elif s.name == "cuda_graph_fallbacks_total":
+                reasons[s.labels["reason"]] = reasons.get(s.labels["reason"], 0.0) + s.value
+    return modes, reasons
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def hit_ratio(modes: dict[str, float]) -> float | None:
+    total = sum(modes.values())
+    return sum(modes.get(m, 0.0) for m in REPLAYED) / total if total else None
+
+
+def in_process_decode(path: Path, overrides: list[str], batch: int, context: int, repeats: int) -> dict:
+    """Median decode step of the in-process engine with ``batch`` requests of ``context`` tokens."""
+    from deploy.config import load_config
+    from worker.engine import Engine
+    from worker.sampling.params import SamplingParams
+
+    engine = Engine(load_config(None, [f"model.path={path}", *overrides]))
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
+           for _ in range(batch)]
+    while any(engine.requests[i].prefilling for i in ids):
+        engine.step()
+    step = statistics.median(wall_times(engine.step, repeats=repeats, warmup=5))
+    assert all(s.phase == "decode" and s.batch_size == batch for s in list(engine.step_stats)[-repeats:])
+    engine.shutdown()
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step}
+
+
+def start_app(path: Path, overrides: list[str], model_name: str) -> str:
+    """Ray (127.0.0.1), Serve and the app over ``path``; returns the base URL."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from deploy.serve_app import app_builder
+
+    # Every rank and the replica take one logical CPU: a small machine must still place them.
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, 8),
+             num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = app_builder({"model": str(path), "overrides": overrides, "model_name": model_name,
+                       "fleet": {"name": "bench"}})
+    serve.run(app, name="graphfleet", route_prefix="/", blocking=False)
+    return f"http://127.0.0.1:{port}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="attach to a running app (base URL) instead of starting one")
+    ap.add_argument("--api-key", help="bearer token of an attached app")
+    ap.add_argument("--preset", default="tinyllama-1.1b", help="checkpoint preset of a started app")
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated",
+                    help="cluster.mode of a started app")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--rates", default="1,4,16,inf", help="requests per second, comma separated; inf = all at once")
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--vocab-size", type=int, help="prompt token ids below this (default: the checkpoint's, "
+                                                    "or 1000 with --url)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--compare", action="store_true", help="also in-process decode vs through Serve")
+    ap.add_argument("--compare-batch", type=int, default=64)
+    ap.add_argument("--compare-tokens", type=int, default=256, help="output tokens per request of the Serve side")
+    ap.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
+    ap.add_argument("--start-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny-llama, few short prompts, rates 4,inf, compare on")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.num_prompts, args.input_len, args.output_len = "tiny-llama", 8, 32, 16
+        args.rates, args.compare, args.compare_batch, args.compare_tokens = "4,inf", True, 4, 32
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    overrides = ([] if torch.cuda.is_available() else list(CPU_OVERRIDES)) + [f"cluster.mode={args.mode}", *args.set]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    path = None if args.url else ensure_checkpoint(args.preset, Path(args.checkpoints))
+    vocab = args.vocab_size or (json.loads((path / "config.json").read_text())["vocab_size"] if path else 1000)
+    compare = None
+    if args.compare:  # before the fleet takes the GPU
+        if path is None:
+            path = ensure_checkpoint(args.preset, Path(args.checkpoints))
+        compare = in_process_decode(path, overrides, args.compare_batch, args.input_len, repeats=20)
+    base = args.url.rstrip("/") if args.url else start_app(path, overrides, args.preset)
+    health = wait_healthy(base, args.start_timeout_s)
+    model = json.loads(_get(f"{base}/v1/models", headers)[1])["data"][0]["id"]
+    warm = random_prompts(args.warmup, args.input_len, vocab, args.seed + 1)
+    for ids in warm:  # first kernels (flashinfer JIT) and shapes
+        asyncio.run(run_load(base, model, [ids], args.output_len, float("inf"), args.seed, headers))
+
+    rows = []
+    for i, rate in enumerate(rates):
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed + 100 + i)
+        before = decode_passes(base)
+        records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, rate, args.seed + i,
+                                                 headers))
+        after = decode_passes(base)
+        modes, reasons = _delta(after[0], before[0]), _delta(after[1], before[1])
+        rows.append({"rate": rate, **summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms),
+                     "decode_graph_hit_ratio": hit_ratio(modes), "decode_passes": modes,
+                     "decode_fallbacks": reasons})
+    if compare is not None:
+        prompts = random_prompts(args.compare_batch, args.input_len, vocab, args.seed + 7)
+        records, _ = asyncio.run(run_load(base, model, prompts, args.compare_tokens, float("inf"), args.seed,
+                                          headers))
+        served = steady_decode_rate(records)
+        compare.update({"serve_tokens_per_s": served, "context": args.input_len,
+                        "serve_over_in_process": served / compare["tokens_per_s"] if served else None})
+
+    print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows],
+                ["rate", "completed", "failed", "request_throughput", "output_throughput", "goodput",
+                 "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                 "e2e_p50_ms", "e2e_p99_ms", "decode_graph_hit_ratio"])
+    if compare is not None:
+        print_table([compare], ["batch", "context", "tokens_per_s", "serve_tokens_per_s", "serve_over_in_process"])
+    name = "serve-quick" if args.quick else f"serve-{args.mode}"
+    out = write_results(name, {"env": environment(), "args": vars(args), "url": args.url, "overrides": overrides,
+                               "fleet": health, "rows": rows, "compare": compare})
+    print(f"wrote {out}")
+    if not args.url:
+        from ray import serve
+
+        serve.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Helpers of the Serve tests: free ports, plain HTTP calls, health polling, ``/metrics`` parsing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Config overrides of every test app: the tiny checkpoint on CPU, small cache and graph ladders.
+OVERRIDES = ["model.device=cpu", "graphs.debug=true", "cache.num_pages=128", "scheduler.max_running_requests=8",
+             "scheduler.chunked_prefill_size=512", "graphs.prefill.max_tokens=512",
+             "graphs.decode.max_batch_size=8", "cluster.step_timeout_s=60", "cluster.start_timeout_s=120"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | str | dict | None = None, headers: dict | None = None):
+    """(status, parsed JSON or text, headers) of one request; never raises on HTTP errors."""
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    if isinstance(body, str):
+        body = body.encode()
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw, hdrs = r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        status, raw, hdrs = e.code, e.read(), dict(e.headers)
+    try:
+        return status, json.loads(raw), hdrs
+    except ValueError:
+        return status, raw.decode(), hdrs
+
+
+def wait_healthy(base: str, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        status, body, _ = http("GET", f"{base}/health")
+        if status == 200:
+            return
+        assert status in (404, 503), (status, body)  # 404: Serve has no route yet
+        assert time.monotonic() < end, f"not healthy after {timeout_s}s: {status} {body}"
+        time.sleep(0.1)
+
+
+def scrape(base: str) -> dict[str, list[tuple[dict, float]]]:
+    """``/metrics`` as {sample name: [(labels, value), ...]}; asserts each family is declared once."""
+    status, text, _ = http("GET", f"{base}/metrics")
+    assert status == 200, text
+    declared = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(declared) == len(set(declared)), sorted(d for d in declared if declared.count(d) > 1)
+    samples: dict[str, list[tuple[dict, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return samples
+
+
+def total(samples: dict, name: str, **match: str) -> float:
+    """Sum of the ``name`` samples whose labels include ``match``."""
+    return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
