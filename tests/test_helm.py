@@ -1,0 +1,258 @@
+"""The Helm chart (helm/graphfleet) rendered by a real Helm 3 and validated.
+
+Core kinds go through kubernetes-validate (strict), the RayService through KubeRay's CRD schema,
+serveConfigV2 through Ray Serve's own schema and graphfleet's config loader; values.schema.json
+must mirror the config dataclasses and reject bad values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.config import Config
+from deploy.config.loader import DEFAULT_CONFIG_PATH
+from tests.crd_schema import crd_validator, errors
+from tests.tooling import CHART, MULTI_GROUP_VALUES, REPO, by_kind, helm_template, run, tool
+
+KUBERAY_CRDS = REPO.parent / "shared" / "reference" / "kuberay"
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+CASES = {"default": [], "multi-group": [MULTI_GROUP_VALUES]}
+
+
+def _values(case: str) -> dict:
+    """values.yaml with the case's file merged over it (maps merge, everything else replaces)."""
+    def merge(base, over):
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {k: merge(base[k], v) if k in base else v for k, v in {**base, **over}.items()}
+        return over
+
+    merged = VALUES
+    for path in CASES[case]:
+        merged = merge(merged, yaml.safe_load(path.read_text()))
+    return merged
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    """(case name, merged values, rendered documents)."""
+    return request.param, _values(request.param), helm_template(CASES[request.param])
+
+
+def _containers(rayservice: dict) -> dict[str, dict]:
+    """The Ray container of the head ("head") and of each worker group (by group name)."""
+    spec = rayservice["spec"]["rayClusterConfig"]
+    out = {"head": spec["headGroupSpec"]["template"]["spec"]["containers"][0]}
+    for g in spec["workerGroupSpecs"]:
+        out[g["groupName"]] = g["template"]["spec"]["containers"][0]
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_helm_lint_strict(name):
+    out = run([tool("helm"), "lint", "--strict", str(CHART), *[a for v in CASES[name] for a in ("-f", str(v))]])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_core_kinds_validate_strict(case):
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    _, _, docs = case
+    core = [d for d in docs if d["apiVersion"] == "v1"]
+    assert {d["kind"] for d in core} == {"Service", "ConfigMap"}
+    for doc in core:
+        try:
+            kubernetes_validate.validate(doc, latest_version(), strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
+
+
+def test_rayservice_matches_kuberay_crd(case):
+    crd = KUBERAY_CRDS / "ray.io_rayservices.yaml"
+    if not crd.is_file():
+        pytest.skip(f"KubeRay CRDs not found at {KUBERAY_CRDS} (the shared reference folder beside the repo)")
+    _, _, docs = case
+    (rayservice,) = by_kind(docs, "RayService")
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    validator = crd_validator(crd, "v1")
+    assert errors(validator, rayservice) == []
+    bad = json.loads(json.dumps(rayservice))
+    bad["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["startupProbe"] = {
+        "failureThreshold": "many"}
+    assert any("failureThreshold" in e for e in errors(validator, bad)), "the CRD check must catch a bad probe"
+
+
+def test_serve_config_builds_the_values_config(case):
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.fleet_config import FleetConfig
+    from deploy.serve_app import build_config
+
+    _, values, docs = case
+    (rayservice,) = by_kind(docs, "RayService")
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config)
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "deploy.serve_app:app_builder"
+    assert serve_config["http_options"]["port"] == values["config"]["serve"]["port"]
+    config = build_config(app["args"])
+    assert config == Config.from_dict(values["config"])
+
+    # One worker group per role, one pod per graphfleet group, ceil(tp x gpus_per_rank) GPUs per pod.
+    layout = FleetConfig.from_config(config).groups()
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert set(groups) == {role for _, role in layout}
+    fleet = FleetConfig.from_config(config)
+    for role, group in groups.items():
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == \
+            sum(r == role for _, r in layout)
+        gpus = str(math.ceil(fleet.tp_size(role) * config.cluster.gpus_per_rank))
+        res = group["template"]["spec"]["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == gpus
+        assert group["rayStartParams"]["num-gpus"] == gpus
+    assert rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+
+def test_multi_group_pods_get_their_role_settings():
+    docs = helm_template([MULTI_GROUP_VALUES])
+    (rayservice,) = by_kind(docs, "RayService")
+    groups = {g["groupName"]: g["template"]["spec"] for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert groups["prefill"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    assert groups["decode"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge"}
+    assert "podAntiAffinity" in groups["decode"]["affinity"] and "affinity" not in groups["prefill"]
+    assert groups["prefill"]["containers"][0]["resources"]["limits"]["cpu"] == "16"
+    assert groups["decode"]["containers"][0]["resources"]["limits"]["cpu"] == "8"
+    for spec in groups.values():
+        assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert spec["containers"][0]["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}]
+        assert spec["containers"][0]["image"] == "registry.example.com/graphfleet:0.1.0-cu128"
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+
+
+def test_startup_probe_budget(case):
+    """failureThreshold x periodSeconds covers ceil(safety x (ray start + load + JIT + capture)), by < one period."""
+    _, values, docs = case
+    s = values["startup"]
+    budget = math.ceil(s["safetyFactor"] * (s["rayStartSeconds"] + s["weightLoadSeconds"] + s["kernelJitSeconds"]
+                                            + s["graphCaptureSeconds"]))
+    # A start that cannot finish fails inside the fleet (cluster.start_timeout_s) before the probe restarts pods.
+    assert values["config"]["cluster"]["start_timeout_s"] < budget
+    (rayservice,) = by_kind(docs, "RayService")
+    containers = _containers(rayservice)
+    head = containers.pop("head")
+    # KubeRay deploys the Serve app only once the head is Ready: its probes must not wait for the app.
+    assert "startupProbe" not in head
+    assert head["readinessProbe"]["httpGet"]["path"] == "/api/healthz"
+    assert {"name": "serve", "containerPort": values["config"]["serve"]["port"]} in head["ports"]
+    for name, c in containers.items():
+        probe = c["startupProbe"]
+        window = probe["failureThreshold"] * probe["periodSeconds"]
+        assert budget <= window < budget + probe["periodSeconds"], (name, budget, probe)
+        assert probe["exec"]["command"][-1].endswith(f"http://${{FQ_RAY_IP}}:{values['config']['serve']['port']}/health")
+        assert c["livenessProbe"]["httpGet"]["path"] == "/api/healthz"
+        assert "/-/healthz" in c["readinessProbe"]["exec"]["command"][-1]
+
+
+def test_dashboards_configmap_carries_every_dashboard(case):
+    _, values, docs = case
+    (cm,) = by_kind(docs, "ConfigMap")
+    for key, value in values["grafanaDashboards"]["labels"].items():
+        assert cm["metadata"]["labels"][key] == value
+    shipped = {p.name: json.loads(p.read_text()) for p in (REPO / "deploy" / "grafana").glob("*.json")}
+    assert shipped and {k: json.loads(v) for k, v in cm["data"].items()} == shipped
+
+
+def test_monitors_select_what_the_chart_exposes():
+    docs = helm_template([MULTI_GROUP_VALUES])
+    (svc,) = by_kind(docs, "Service")
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    (pm,) = by_kind(docs, "PodMonitor")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    (rayservice,) = by_kind(docs, "RayService")
+    spec = rayservice["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for pod in pods:
+        assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        assert any(p["name"] == "metrics" for p in pod["spec"]["containers"][0]["ports"])
+    assert svc["spec"]["selector"].items() <= pods[0]["metadata"]["labels"].items()
+    assert by_kind(helm_template(), "ServiceMonitor") == []
+
+
+# ----- values.yaml and values.schema.json against the config dataclasses -----
+
+def _fields(cls) -> dict[str, typing.Any]:
+    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def _walk(cls, values: dict, schema: dict, path: str = "config"):
+    """Assert ``values`` and ``schema`` have exactly the dataclass's fields, with its enums, recursively."""
+    fields = _fields(cls)
+    assert set(values) == set(fields), f"{path}: values keys differ from {cls.__name__}"
+    assert set(schema["properties"]) == set(fields), f"{path}: schema properties differ from {cls.__name__}"
+    assert schema["additionalProperties"] is False, path
+    for name, hint in fields.items():
+        if dataclasses.is_dataclass(hint):
+            _walk(hint, values[name], schema["properties"][name], f"{path}.{name}")
+        elif typing.get_origin(hint) is typing.Literal:
+            assert schema["properties"][name]["enum"] == list(typing.get_args(hint)), f"{path}.{name}"
+
+
+def test_values_config_mirrors_the_dataclasses():
+    _walk(Config, VALUES["config"], SCHEMA["properties"]["config"])
+    defaults = yaml.safe_load(Path(DEFAULT_CONFIG_PATH).read_text())
+    chart_only = {"model.path": "/models/model", "serve.host": "0.0.0.0"}
+    for section, keys in defaults.items():
+        for key, value in keys.items():
+            expected = chart_only.get(f"{section}.{key}", value)
+            assert VALUES["config"][section][key] == expected, f"config.{section}.{key}"
+
+
+def test_schema_accepts_the_shipped_values():
+    import jsonschema
+
+    for name in CASES:
+        jsonschema.validate(_values(name), SCHEMA)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("config.graphs.decode.backend=cudagraph", "config/graphs/decode/backend"),
+    ("config.graphs.prefill.backend=piecewise", "config/graphs/prefill/backend"),
+    ("config.graphs.decode.batch_sizes={0,8}", "config/graphs/decode/batch_sizes"),
+    ("config.graphs.memory_budget=1", "config/graphs/memory_budget"),
+    ("config.graphs.memory_budget=lots", "config/graphs/memory_budget"),
+    ("config.graphs.memory_budget=0.5", "config/graphs/memory_budget"),  # --set passes a string: no unit
+    ("config.cluster.mode=split", "config/cluster/mode"),
+    ("config.cluster.tp_size=0", "config/cluster/tp_size"),
+    ("config.cluster.num_decode_groups=0", "config/cluster/num_decode_groups"),
+    ("config.cluster.gpus_per_rank=2", "config/cluster/gpus_per_rank"),
+    ("config.graphs.decoder.backend=full", "decoder"),
+    ("startup.safetyFactor=0.5", "startup/safetyFactor"),
+    ("startup.periodSeconds=0", "startup/periodSeconds"),
+    ("workers.gpu.replicas=2", "gpu"),
+])
+def test_schema_rejects_bad_values(bad, needle):
+    out = run([tool("helm"), "template", "gf", str(CHART), "--set", bad])
+    assert out.returncode != 0, f"--set {bad} rendered"
+    assert "values don't meet the specifications of the schema" in out.stderr
+    assert needle in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("good", ["config.graphs.memory_budget=0.5", 'config.graphs.memory_budget="4GiB"',
+                                  "config.graphs.memory_budget=4294967296", 'config.graphs.decode.backend="breakable"'])
+def test_schema_accepts_good_overrides(good):
+    out = run([tool("helm"), "template", "gf", str(CHART), "--set-json", good])
+    assert out.returncode == 0, out.stderr
+    (rayservice,) = by_kind([d for d in yaml.safe_load_all(out.stdout) if d], "RayService")
+    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
+    Config.from_dict(args["config"])
