@@ -106,7 +106,10 @@ def main() -> None:
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
         rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling,
                                                            "error": res.stderr[-500:]})
-    baseline = next((r["above_baseline_bytes"] for r in rows if r.get("backend") == "none"), None)
+    baseline = next((r.get("above_baseline_bytes") for r in rows if r.get("backend") == "none"), None)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['backend']}:{r['ceiling']} failed: {r['error']}")
     for r in rows:
         if "above_baseline_bytes" in r:
             r["GiB_above_model"] = r["above_baseline_bytes"] / 2**30
