@@ -40,7 +40,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str) -> dict:
 
     cuda = torch.device("cuda")
     model, arch = load_model(path, torch.bfloat16, cuda, kernels=select_kernels(cuda))
-    pages = chunk // 16 + 2
+    pages = chunk // 16 + 2 + 8  # + per-request page rounding
     shape = model.attention_shape
     cache = PagedKVCache(KVCacheShape(arch.num_layers, pages, 16, shape.num_kv_heads, arch.head_dim),
                          torch.bfloat16, cuda)
@@ -63,11 +63,19 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str) -> dict:
         else:
             compile_s, capture_s = 0.0, build
     torch.cuda.reset_peak_memory_stats()
-    ids = torch.randint(10, arch.vocab_size, (chunk,), device="cuda")
-    pos = torch.arange(chunk, device="cuda")
     from graphs.prefill import LivePrefillBatch
 
-    live = LivePrefillBatch(ids, pos, AttentionBatch.prefill([chunk], [chunk], [list(range(1, pages - 1))]), 1)
+    # A chunk of exactly ``chunk`` tokens, split into requests no longer than the model's
+    # positions (tinyllama-1.1b has 2048: one 8192-token request would index past its RoPE table).
+    n_req = -(-chunk // arch.max_position_embeddings)
+    lengths = [chunk // n_req + (i < chunk % n_req) for i in range(n_req)]
+    tables, first = [], 1
+    for n in lengths:
+        tables.append(list(range(first, first + -(-n // 16))))
+        first += -(-n // 16)
+    ids = torch.randint(10, arch.vocab_size, (chunk,), device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+    live = LivePrefillBatch(ids, pos, AttentionBatch.prefill(lengths, lengths, tables), n_req)
     choice = runner.decide(live) if runner is not None else None
     if choice is not None and choice.replays:
         runner.execute(live, choice)
