@@ -1,7 +1,10 @@
 """Decode step time through a Ray actor group (TP=1) against the same engine in-process.
 
-Both run the same config (full decode graphs) side by side in one run; the ratio is what the
-actor hop costs: one object-store put of the step message and one ray.get of the tokens.
+Both run the same config (full decode graphs on a GPU) side by side in one run; the ratio is
+what the actor hop costs. Two ways to drive the group are measured: a Ray Compiled Graph
+(``cluster.compiled_graph=true``, the default: shared-memory channels) and a Ray task per rank
+per step (an object-store put of the message and a ray.get of the tokens). Without a GPU it runs
+the same comparison on the CPU (graphs off) with ``--preset tiny-llama``: the hop cost is host work.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     batches = [int(b) for b in args.batches.split(",")]
-    overrides = [f"model.path={path}", "model.dtype=bfloat16", f"scheduler.max_running_requests={max(batches)}",
+    cuda = torch.cuda.is_available()
+    overrides = [f"model.path={path}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
+                 f"model.device={'cuda' if cuda else 'cpu'}", f"scheduler.max_running_requests={max(batches)}",
                  f"graphs.decode.max_batch_size={max(batches)}", "graphs.capture=decode",
                  f"cache.num_pages={max(batches) * (args.context // 16 + 16) + 64}"]
     cfg = load_config(None, overrides)
@@ -56,18 +61,22 @@ def main() -> None:
     local_times = {b: step_times(local, b, args.context, args.repeats) for b in batches}
     local.shutdown()
     del local
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     ray.init(_node_ip_address="127.0.0.1", num_gpus=torch.cuda.device_count(), include_dashboard=False)
-    group = WorkerGroup(cfg)
-    remote = Engine(cfg, executor=group)
-    rows = []
-    for b in batches:
-        t = step_times(remote, b, args.context, args.repeats)
-        rows.append({"preset": args.preset, "batch": b, "in_process_ms": local_times[b] * 1e3,
-                     "actor_ms": t * 1e3, "actor_over_in_process": t / local_times[b]})
-    group.shutdown()
+    actor_times = {}
+    for compiled in (True, False):
+        group_cfg = load_config(None, [*overrides, f"cluster.compiled_graph={str(compiled).lower()}"])
+        group = WorkerGroup(group_cfg)
+        remote = Engine(group_cfg, executor=group)
+        actor_times[compiled] = {b: step_times(remote, b, args.context, args.repeats) for b in batches}
+        group.shutdown()
     ray.shutdown()
-    print_table(rows, ["preset", "batch", "in_process_ms", "actor_ms", "actor_over_in_process"])
+    rows = [{"preset": args.preset, "batch": b, "in_process_ms": local_times[b] * 1e3,
+             "compiled_graph_ms": actor_times[True][b] * 1e3, "ray_tasks_ms": actor_times[False][b] * 1e3,
+             "compiled_over_in_process": actor_times[True][b] / local_times[b],
+             "tasks_over_in_process": actor_times[False][b] / local_times[b]} for b in batches]
+    print_table(rows, list(rows[0]))
     print(f"wrote {write_results('actor_overhead', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 
 

@@ -1,9 +1,14 @@
 """A tensor-parallel worker group: ``tp_size`` rank actors in one placement group.
 
 The group is the engine's executor (``arch``, ``num_pages``, ``max_len``, ``execute``,
-``shutdown``). Its leader is the driver-side object: each step's message is put in Ray's object
-store once and every rank receives the same reference, runs the same step (same predicate, same
-graph replay or eager path, same seeded sampling) and rank 0 returns the tokens. A rank that
+``shutdown``). Its leader is the driver-side object: every rank receives the same step message,
+runs the same step (same predicate, same graph replay or eager path, same seeded sampling) and
+rank 0 returns the tokens. With ``cluster.compiled_graph`` (the default) the message travels
+through a Ray Compiled Graph compiled once after capture: one shared-memory channel write the
+ranks read, about 0.1 ms a step, where a Ray task per rank per step costs 1-3 ms (what vLLM
+does too). The ranks run compiled-graph steps on a thread of their own; the fleet never calls
+a rank's other methods while its step is in flight (metrics reads aside). Otherwise the message
+is put in Ray's object store once and each rank gets the same reference. A rank that
 dies or a step slower than ``cluster.step_timeout_s`` fails the whole incarnation: its ranks are
 killed, its placement group removed, and a fresh incarnation starts in the background.
 """
@@ -16,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -36,6 +41,7 @@ class _Incarnation:
         self.actor_cls = actor_cls
         self.actors: list = []
         self.pg = None
+        self._dag = None
 
     def start(self, on_state, fixed_pages: int | None = None) -> tuple[object, int, int]:
         c = self.config.cluster
@@ -74,18 +80,45 @@ class _Incarnation:
         on_state(GroupState.CAPTURING)
         self._all("capture", deadline)
         arch = ray.get(self.actors[0].arch.remote(), timeout=_left(deadline))
+        if c.compiled_graph:
+            self._compile()
         return arch, pages, max_len
+
+    def _compile(self) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as msg:
+            dag = MultiOutputNode([a.execute.bind(msg) for a in self.actors])
+        self._dag = dag.experimental_compile()
 
     def _all(self, method: str, deadline: float, *args):
         return ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=_left(deadline))
 
     def execute(self, msg: StepMessage, timeout_s: float) -> StepResult:
+        if self._dag is not None:
+            return ray.get(self._dag.execute(msg), timeout=timeout_s)[0]
         ref = ray.put(msg)
         results = ray.get([a.execute.remote(ref) for a in self.actors], timeout=timeout_s)
         return results[0]
 
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks that no longer answer a ping (a closed compiled-graph channel names no rank)."""
+        dead = []
+        for rank, a in enumerate(self.actors):
+            try:
+                ray.get(a.ping.remote(), timeout=timeout_s)
+            except RayError:
+                dead.append(rank)
+        return dead
+
     def kill(self, graceful_s: float = 5.0) -> None:
         """Release graphs and the process group where the ranks still answer, then kill them."""
+        if self._dag is not None:
+            dag, self._dag = self._dag, None
+            try:
+                dag.teardown()
+            except Exception as e:  # noqa: BLE001 - a dead rank may fail the teardown; the kill follows
+                log.warning("group %s: compiled graph teardown: %s", self.group_id, e)
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
@@ -209,10 +242,14 @@ class WorkerGroup:
         inc = self._incarnation
         try:
             return inc.execute(msg, self.config.cluster.step_timeout_s)
-        except GetTimeoutError:
+        except (GetTimeoutError, RayChannelTimeoutError):
             reason = f"step exceeded cluster.step_timeout_s={self.config.cluster.step_timeout_s}s"
         except RayActorError as e:
             reason = f"a rank died: {type(e).__name__}: {str(e).splitlines()[0]}"
+        except RayChannelError as e:
+            dead = inc.dead_ranks()
+            reason = (f"a rank died: rank {', '.join(map(str, dead))} (compiled-graph channel closed)" if dead
+                      else f"a rank failed the step: {type(e).__name__}: {str(e).splitlines()[0]}")
         except RayError as e:
             reason = f"a rank failed the step: {type(e).__name__}: {str(e).splitlines()[0]}"
         self._fail(reason)
