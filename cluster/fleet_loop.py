@@ -285,6 +285,8 @@ class FleetLoop:
                 slot.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
                                                   request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
             except KVTransferFailed as e:
+                if e.timed_out:  # its late writes could land in pages the group reuses
+                    slot.group.fail(str(e))
                 self._requeue(fr, str(e))
                 continue
             except RequestRejected as e:

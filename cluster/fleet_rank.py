@@ -10,13 +10,31 @@ from cluster.rank_actor import RankActor
 
 
 class FleetRankActor(RankActor):
-    """A rank actor that also exports and imports a request's KV pages for the hand-off."""
+    """A rank actor that also exports and imports a request's KV pages for the hand-off.
 
-    def export_pages(self, pages: list[int]):
-        """This rank's KV of ``pages`` as a CPU tensor."""
+    Export is two calls: ``stage_pages`` copies the pages on the device into a tensor this
+    actor holds (the caller waits for it: afterwards the pages may be reused by any later
+    step, whichever thread runs it), then ``take_staged`` hands the copy over.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._staged: dict[str, object] = {}
+
+    def stage_pages(self, transfer_id: str, pages: list[int]) -> int:
+        """Copy ``pages``' KV (on the device) for a later :meth:`take_staged`; returns its bytes."""
         from worker import kv_pages
 
-        return kv_pages.export_pages(self.worker, pages, to_host=True)
+        out = kv_pages.export_pages(self.worker, pages)
+        self._staged[transfer_id] = out
+        return out.numel() * out.element_size()
+
+    def take_staged(self, transfer_id: str):
+        """The staged copy as a CPU tensor (it leaves this actor)."""
+        return self._staged.pop(transfer_id).cpu()
+
+    def drop_staged(self, transfer_id: str) -> None:
+        self._staged.pop(transfer_id, None)
 
     def import_pages(self, pages: list[int], payload) -> int:
         """Write ``payload`` into ``pages``; returns the number of bytes written."""

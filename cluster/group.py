@@ -206,6 +206,11 @@ class WorkerGroup:
         log.info("group %s generation %d ready: %d ranks, %d KV pages", self.group_id, self._generation,
                  self.config.cluster.tp_size, self.num_pages)
 
+    def fail(self, reason: str) -> None:
+        """Declare this incarnation dead (e.g. a KV import into it timed out and may still write);
+        it is killed and, with ``cluster.restart``, replaced in the background."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         """Kill the current incarnation and (if configured) start a fresh one in the background."""
         self.last_error = reason

@@ -4,12 +4,12 @@ One interface, :class:`KVTransport`: ``export`` starts copying a request's pages
 of the prefill group and returns a :class:`KVPayload` at once; ``import_`` writes the payload into
 pages of a decode group (rank ``i`` receives rank ``i``'s shard) and blocks until every rank has.
 
-Ordering invariant (what makes freeing the prefill pages right after ``export`` safe): the export
-is submitted to each rank before that rank's next step, and Ray runs one caller's tasks on an
-actor in submission order, so the copy is taken before any later step can overwrite the pages.
-A transport whose export is asynchronous on the device must keep the same guarantee (e.g. record
-the copy on the step stream). The same order protects a timed-out import: its late writes land
-before those of any later owner of the pages.
+Ordering invariant (what makes freeing the prefill pages right after ``export`` safe): ``export``
+returns only once every rank has enqueued a device copy of the pages (``stage_pages``), on the
+stream its steps use, so any later step's writes come after the copy; task order alone would not
+do, because compiled-graph steps run on another thread of the rank than its Ray tasks. A timed-out
+import could still write after the decode group reuses the pages: the fleet fails that group
+(``KVTransferFailed.timed_out``), as for a step timeout.
 
 Transports: ``object_store`` (each prefill rank returns its pages as a CPU tensor, Ray keeps it in
 the object store, each decode rank receives it by ``ObjectRef``; the CPU default, also correct on
@@ -21,6 +21,7 @@ in ``export``, receive them in ``import_``, and register itself in ``TRANSPORTS`
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,7 +37,14 @@ class KVTransportUnavailable(RuntimeError):
 
 
 class KVTransferFailed(RuntimeError):
-    """A hand-off did not complete (a rank died, the export failed, or it timed out)."""
+    """A hand-off did not complete (a rank died, the export failed, or it timed out).
+
+    ``timed_out``: the import may still be writing into the decode group's pages.
+    """
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -76,11 +84,22 @@ class ObjectStoreTransport(KVTransport):
 
     name = "object_store"
 
+    def __init__(self, stage_timeout_s: float = 60.0) -> None:
+        self.stage_timeout_s = stage_timeout_s
+
     def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
         actors = group.rank_actors()
         if len(actors) != group.tp_size:
             raise KVTransferFailed(f"group {group.group_id} is {group.state.value}: cannot export KV")
-        shards = tuple(rank_call(a, "export_pages", list(pages)) for a in actors)
+        transfer_id = uuid.uuid4().hex
+        staged = [rank_call(a, "stage_pages", transfer_id, list(pages)) for a in actors]
+        try:
+            ray.get(staged, timeout=self.stage_timeout_s)
+        except (GetTimeoutError, RayError) as e:
+            for a in actors:
+                rank_call(a, "drop_staged", transfer_id)
+            raise KVTransferFailed(f"KV export from {group.group_id} failed: {describe_ray_error(e)}") from None
+        shards = tuple(rank_call(a, "take_staged", transfer_id) for a in actors)
         return KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
 
     def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
@@ -97,7 +116,7 @@ class ObjectStoreTransport(KVTransport):
         try:
             return sum(ray.get(refs, timeout=timeout_s))
         except GetTimeoutError:
-            raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s") from None
+            raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
         except RayError as e:
             raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
 
