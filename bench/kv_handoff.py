@@ -86,6 +86,7 @@ def main() -> None:
         for name in args.transports.split(","):
             try:
                 transport = create_transport(name)
+                transport.check([prefill], [decode], args.timeout_s)
             except KVTransportUnavailable as e:
                 rows.append({"transport": name, "available": False, "error": str(e)})
                 print(f"{name}: {e}")

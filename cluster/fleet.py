@@ -172,8 +172,10 @@ class Fleet:
             if errors:
                 raise GroupUnavailable("fleet start failed: " + "; ".join(errors))
             if fcfg.disaggregated:
-                _check_kv_layouts([groups[g] for g, r in layout if r == "prefill"],
-                                  [groups[g] for g, r in layout if r == "decode"], config.cluster.start_timeout_s)
+                prefill = [groups[g] for g, r in layout if r == "prefill"]
+                decode = [groups[g] for g, r in layout if r == "decode"]
+                _check_kv_layouts(prefill, decode, config.cluster.start_timeout_s)
+                transport.check(prefill, decode, config.cluster.start_timeout_s)
             slots = [GroupSlot(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
                      for gid, role in layout]
             # Every engine stops sequences at the fleet's shortest limit, so where a request runs

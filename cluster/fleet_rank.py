@@ -36,6 +36,42 @@ class FleetRankActor(RankActor):
     def drop_staged(self, transfer_id: str) -> None:
         self._staged.pop(transfer_id, None)
 
+    def device_uuid(self) -> str | None:
+        """The UUID of this rank's GPU (None on CPU): CUDA IPC needs both sides on one device."""
+        import torch
+
+        if self.worker.device.type != "cuda":
+            return None
+        return str(torch.cuda.get_device_properties(self.worker.device).uuid)
+
+    def share_staged(self, transfer_id: str) -> tuple:
+        """A CUDA IPC handle of the staged copy, ``(gpu uuid, rebuild, args)``; the copy stays here
+        until :meth:`drop_staged` (the receiver maps this actor's memory)."""
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        staged = self._staged[transfer_id]
+        if staged.device.type != "cuda":
+            raise RuntimeError("cuda_ipc moves device memory: this rank's KV cache is on the CPU")
+        torch.cuda.current_stream(staged.device).synchronize()  # the copy is complete before anyone maps it
+        rebuild, args = reduce_tensor(staged)
+        return self.device_uuid(), rebuild, args
+
+    def import_shared(self, pages: list[int], shard: tuple) -> int:
+        """Map a :meth:`share_staged` handle of the matching prefill rank and copy it into ``pages``."""
+        import torch
+
+        from worker import kv_pages
+
+        uuid, rebuild, args = shard
+        if uuid != self.device_uuid():
+            raise RuntimeError(f"cuda_ipc: the KV was staged on GPU {uuid}, this rank runs on {self.device_uuid()} "
+                               "(CUDA IPC needs both groups on one GPU; use kv_transport=object_store)")
+        payload = rebuild(*args)
+        kv_pages.import_pages(self.worker, pages, payload)
+        torch.cuda.current_stream(self.worker.device).synchronize()  # done reading before the sender frees it
+        return payload.numel() * payload.element_size()
+
     def import_pages(self, pages: list[int], payload) -> int:
         """Write ``payload`` into ``pages``; returns the number of bytes written."""
         from worker import kv_pages

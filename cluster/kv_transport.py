@@ -13,15 +13,16 @@ import could still write after the decode group reuses the pages: the fleet fail
 
 Transports: ``object_store`` (each prefill rank returns its pages as a CPU tensor, Ray keeps it in
 the object store, each decode rank receives it by ``ObjectRef``; the CPU default, also correct on
-GPU at host-copy speed). GPU transports (``nccl``: NCCL point-to-point between rank ``i`` of the two
-groups, ``cuda_ipc``: same-node device-memory handles) are not built: asking for one raises
-:class:`KVTransportUnavailable`. One would subclass :class:`KVTransport`, keep shards on the device
-in ``export``, receive them in ``import_``, and register itself in ``TRANSPORTS``.
+GPU at host-copy speed) and ``cuda_ipc`` (groups sharing one GPU: the staged device copy stays in
+the prefill rank, the decode rank maps it by CUDA IPC handle and copies device to device; the
+copy is dropped when the payload is). ``nccl`` (NCCL point-to-point between rank ``i`` of two
+groups on different GPUs) is not built: asking for it raises :class:`KVTransportUnavailable`.
 """
 
 from __future__ import annotations
 
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -67,9 +68,47 @@ class KVTransport(ABC):
 
     name: ClassVar[str]
 
+    stage_timeout_s: float = 60.0
+
     @abstractmethod
     def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
-        """Start exporting ``pages`` from every rank of ``group`` without waiting for the ranks."""
+        """Export ``pages`` from every rank of ``group``: returns once each rank holds a device copy."""
+
+    def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
+        """Raise :class:`KVTransportUnavailable` if this transport cannot connect these groups."""
+        return None
+
+    def _stage(self, group, pages: list[int]) -> tuple[list, str]:
+        """Every rank of ``group`` copies ``pages`` on its device; returns (rank actors, transfer id)."""
+        actors = group.rank_actors()
+        if len(actors) != group.tp_size:
+            raise KVTransferFailed(f"group {group.group_id} is {group.state.value}: cannot export KV")
+        transfer_id = uuid.uuid4().hex
+        staged = [rank_call(a, "stage_pages", transfer_id, list(pages)) for a in actors]
+        try:
+            ray.get(staged, timeout=self.stage_timeout_s)
+        except (GetTimeoutError, RayError) as e:
+            _drop_staged(actors, transfer_id)
+            raise KVTransferFailed(f"KV export from {group.group_id} failed: {describe_ray_error(e)}") from None
+        return actors, transfer_id
+
+    def _import(self, method: str, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+        where = f"KV hand-off {payload.source_group} -> {group.group_id}"
+        if payload.transport != self.name:
+            raise KVTransferFailed(f"{where}: payload came from transport {payload.transport!r}, not {self.name!r}")
+        if len(pages) != payload.num_pages:
+            raise KVTransferFailed(f"{where}: {payload.num_pages} pages exported, {len(pages)} allocated")
+        actors = group.rank_actors()
+        if len(actors) != len(payload.shards):
+            raise KVTransferFailed(f"{where}: {len(payload.shards)} shards for {len(actors)} live ranks "
+                                   f"(group {group.group_id} is {group.state.value})")
+        refs = [rank_call(a, method, list(pages), s) for a, s in zip(actors, payload.shards)]
+        try:
+            return sum(ray.get(refs, timeout=timeout_s))
+        except GetTimeoutError:
+            raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
+        except RayError as e:
+            raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
 
     @abstractmethod
     def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
@@ -84,41 +123,53 @@ class ObjectStoreTransport(KVTransport):
 
     name = "object_store"
 
-    def __init__(self, stage_timeout_s: float = 60.0) -> None:
-        self.stage_timeout_s = stage_timeout_s
-
     def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
-        actors = group.rank_actors()
-        if len(actors) != group.tp_size:
-            raise KVTransferFailed(f"group {group.group_id} is {group.state.value}: cannot export KV")
-        transfer_id = uuid.uuid4().hex
-        staged = [rank_call(a, "stage_pages", transfer_id, list(pages)) for a in actors]
-        try:
-            ray.get(staged, timeout=self.stage_timeout_s)
-        except (GetTimeoutError, RayError) as e:
-            for a in actors:
-                rank_call(a, "drop_staged", transfer_id)
-            raise KVTransferFailed(f"KV export from {group.group_id} failed: {describe_ray_error(e)}") from None
+        actors, transfer_id = self._stage(group, pages)
         shards = tuple(rank_call(a, "take_staged", transfer_id) for a in actors)
         return KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
 
     def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        where = f"KV hand-off {payload.source_group} -> {group.group_id}"
-        if payload.transport != self.name:
-            raise KVTransferFailed(f"{where}: payload came from transport {payload.transport!r}, not {self.name!r}")
-        if len(pages) != payload.num_pages:
-            raise KVTransferFailed(f"{where}: {payload.num_pages} pages exported, {len(pages)} allocated")
-        actors = group.rank_actors()
-        if len(actors) != len(payload.shards):
-            raise KVTransferFailed(f"{where}: {len(payload.shards)} shards for {len(actors)} live ranks "
-                                   f"(group {group.group_id} is {group.state.value})")
-        refs = [rank_call(a, "import_pages", list(pages), s) for a, s in zip(actors, payload.shards)]
+        return self._import("import_pages", group, pages, payload, timeout_s)
+
+
+class CudaIpcTransport(KVTransport):
+    """Groups sharing one GPU: decode ranks map the prefill ranks' staged copies by CUDA IPC."""
+
+    name = "cuda_ipc"
+
+    def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
+        def uuids(group) -> list:
+            return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
+
+        decode = {g.group_id: uuids(g) for g in decode_groups}
+        for p in prefill_groups:
+            mine = uuids(p)
+            if None in mine:
+                raise KVTransportUnavailable("kv_transport=cuda_ipc moves device memory, but the ranks run on "
+                                             "the CPU; use kv_transport=object_store")
+            for gid, theirs in decode.items():
+                if theirs != mine:
+                    raise KVTransportUnavailable(
+                        f"kv_transport=cuda_ipc needs rank i of every prefill and decode group on one GPU: "
+                        f"{p.group_id} is on {mine}, {gid} on {theirs}; use kv_transport=object_store")
+
+    def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
+        actors, transfer_id = self._stage(group, pages)
+        shards = tuple(rank_call(a, "share_staged", transfer_id) for a in actors)
+        payload = KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
+        weakref.finalize(payload, _drop_staged, actors, transfer_id)  # the senders keep the copies until then
+        return payload
+
+    def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+        return self._import("import_shared", group, pages, payload, timeout_s)
+
+
+def _drop_staged(actors: list, transfer_id: str) -> None:
+    for a in actors:
         try:
-            return sum(ray.get(refs, timeout=timeout_s))
-        except GetTimeoutError:
-            raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
-        except RayError as e:
-            raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
+            rank_call(a, "drop_staged", transfer_id)
+        except Exception:  # noqa: BLE001 - a dead rank has dropped everything already
+            pass
 
 
 def describe_ray_error(e: BaseException) -> str:
@@ -132,8 +183,8 @@ def describe_ray_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-TRANSPORTS: dict[str, type[KVTransport]] = {ObjectStoreTransport.name: ObjectStoreTransport}
-NOT_BUILT = ("nccl", "cuda_ipc")
+TRANSPORTS: dict[str, type[KVTransport]] = {t.name: t for t in (ObjectStoreTransport, CudaIpcTransport)}
+NOT_BUILT = ("nccl",)
 
 
 def create_transport(name: str) -> KVTransport:
@@ -143,7 +194,7 @@ def create_transport(name: str) -> KVTransport:
     built = ", ".join(sorted(TRANSPORTS))
     if name in NOT_BUILT:
         raise KVTransportUnavailable(
-            f"kv_transport={name!r} is not available: this build has only {built}. A GPU transport "
-            "(NCCL point-to-point / CUDA IPC) plugs in as a KVTransport subclass in cluster/kv_transport.py")
+            f"kv_transport={name!r} is not available: this build has {built}. NCCL point-to-point "
+            "between groups on different GPUs plugs in as a KVTransport subclass in cluster/kv_transport.py")
     raise KVTransportUnavailable(f"unknown kv_transport {name!r}; available: {built} "
                                  f"(planned, not built: {', '.join(NOT_BUILT)})")

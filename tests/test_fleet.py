@@ -106,8 +106,8 @@ def test_config_transport_and_gate_errors_are_clear(path):
         FleetConfig.from_config(cfg, mode="disaggregated", prefill_tp_size=2, decode_tp_size=1)
     with pytest.raises(ConfigError, match="unknown fleet option 'num_groups'"):
         FleetConfig.from_config(cfg, num_groups=2)
-    with pytest.raises(KVTransportUnavailable, match="kv_transport='nccl' is not available: this build has only "
-                                                     "object_store"):
+    with pytest.raises(KVTransportUnavailable, match="kv_transport='nccl' is not available: this build has "
+                                                     "cuda_ipc, object_store"):
         create_transport("nccl")
     with pytest.raises(KVTransportUnavailable, match="unknown kv_transport 'smoke'"):
         create_transport("smoke")
@@ -190,6 +190,14 @@ def test_engine_hands_off_to_another_engine_token_for_token(path, reference):
 # ----- equality with the in-process engine -----
 
 @pytest.mark.timeout(180)
+def test_cuda_ipc_on_cpu_ranks_fails_at_start_and_leaves_nothing(ray_local, path):
+    with pytest.raises(KVTransportUnavailable, match="kv_transport=cuda_ipc moves device memory, but the ranks "
+                                                     "run on the CPU; use kv_transport=object_store"):
+        Fleet.start(_config(path, "cluster.kv_transport=cuda_ipc"), mode="disaggregated", name="ipc")
+    _wait_until(lambda: not [n for n in ray.util.list_named_actors() if n.startswith("graphfleet-ipc-")], 60,
+                "the fleet's rank actors to be gone")
+
+
 def test_colocated_matches_engine(ray_local, path, reference):
     prompts = _prompts(6, seed=1)
     with Fleet.start(_config(path), name="colo") as fleet:

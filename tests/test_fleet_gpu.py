@@ -1,5 +1,6 @@
-"""One GPU: colocated and disaggregated fleets (both roles sharing the GPU) with CUDA graphs on
-match the in-process engine token for token, and every group's KV pages come back."""
+"""One GPU: colocated and disaggregated fleets (both roles sharing the GPU; KV through the object
+store and through CUDA IPC) with CUDA graphs on match the in-process engine token for token, and
+every group's KV pages come back."""
 
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ def setup(checkpoint_dir):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_fleet_with_graphs_matches_engine(ray_gpu, setup, mode):
+@pytest.mark.parametrize("mode,transport", [("colocated", "object_store"), ("disaggregated", "object_store"),
+                                            ("disaggregated", "cuda_ipc")])
+def test_fleet_with_graphs_matches_engine(ray_gpu, setup, mode, transport):
     path, prompts, expected = setup
-    with Fleet.start(_config(path), mode=mode, name=f"gpu-{mode}") as fleet:
+    cfg = _config(path, f"cluster.kv_transport={transport}")
+    with Fleet.start(cfg, mode=mode, name=f"gpu-{mode}-{transport.replace('_', '')}") as fleet:
         outs = fleet.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == expected
         groups = fleet.health()["groups"]
