@@ -20,6 +20,7 @@ class FleetRankActor(RankActor):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._staged: dict[str, object] = {}
+        self._pairs: dict[str, tuple] = {}  # pair id -> (process group, store, peer rank)
 
     def stage_pages(self, transfer_id: str, pages: list[int]) -> int:
         """Copy ``pages``' KV (on the device) for a later :meth:`take_staged`; returns its bytes."""
@@ -84,6 +85,70 @@ class FleetRankActor(RankActor):
         from worker import kv_pages
 
         return kv_pages.kv_layout(self.worker)
+
+
+    # ----- point-to-point pairs (kv_transport=nccl) -----
+
+    def pair_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for a pair's store (this rank hosts it)."""
+        import ray
+
+        from cluster.rank_actor import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def p2p_open(self, pair_id: str, host: str, port: int, rank: int, timeout_s: float) -> str:
+        """Join the two-process group ``pair_id`` (rank 0: the prefill rank, which hosts the store).
+
+        NCCL between GPU ranks, gloo between CPU ranks; both sides must call at once.
+        """
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.PrefixStore(pair_id, dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout,
+                                                        wait_for_workers=False))
+        if self.worker.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+            backend = "nccl"
+        else:
+            group, backend = dist.ProcessGroupGloo(store, rank, 2, timeout), "gloo"
+        self._pairs[pair_id] = (group, store, 1 - rank)
+        return backend
+
+    def p2p_send(self, pair_id: str, transfer_id: str) -> int:
+        """Send the staged copy ``transfer_id`` to the pair's other rank (it is dropped here after)."""
+        import torch
+
+        staged = self._staged.pop(transfer_id)
+        group, _, peer = self._pairs[pair_id]
+        group.send([staged], peer, 0).wait()
+        if staged.is_cuda:
+            torch.cuda.current_stream(staged.device).synchronize()
+        return staged.numel() * staged.element_size()
+
+    def p2p_recv(self, pair_id: str, pages: list[int]) -> int:
+        """Receive a request's KV from the pair's other rank into ``pages``."""
+        import torch
+
+        from worker import kv_pages
+
+        layout = kv_pages.kv_layout(self.worker)
+        cache = self.worker.kv_cache
+        buf = torch.empty(layout.payload_shape(len(pages)), dtype=cache.dtype, device=cache.device)
+        group, _, peer = self._pairs[pair_id]
+        group.recv([buf], peer, 0).wait()
+        kv_pages.import_pages(self.worker, pages, buf)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+        return buf.numel() * buf.element_size()
+
+    def p2p_close(self, pair_id: str) -> None:
+        self._pairs.pop(pair_id, None)
 
 
 def rank_call(handle, name: str, *args):

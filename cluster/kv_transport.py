@@ -15,8 +15,11 @@ Transports: ``object_store`` (each prefill rank returns its pages as a CPU tenso
 the object store, each decode rank receives it by ``ObjectRef``; the CPU default, also correct on
 GPU at host-copy speed) and ``cuda_ipc`` (groups sharing one GPU: the staged device copy stays in
 the prefill rank, the decode rank maps it by CUDA IPC handle and copies device to device; the
-copy is dropped when the payload is). ``nccl`` (NCCL point-to-point between rank ``i`` of two
-groups on different GPUs) is not built: asking for it raises :class:`KVTransportUnavailable`.
+copy is dropped when the payload is) and ``nccl`` (groups on different GPUs: rank ``i`` of the
+prefill group sends its staged copy to rank ``i`` of the decode group over a two-process group,
+NCCL between GPU ranks; between CPU ranks the same protocol runs over gloo, which is how CI
+covers it). A pair is opened on first use and rebuilt when either side restarts or a transfer
+fails.
 """
 
 from __future__ import annotations
@@ -164,6 +167,77 @@ class CudaIpcTransport(KVTransport):
         return self._import("import_shared", group, pages, payload, timeout_s)
 
 
+class P2PTransport(KVTransport):
+    """Point-to-point between matching ranks: NCCL between GPU ranks (gloo between CPU ranks)."""
+
+    name = "nccl"
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[str, str], str] = {}  # (prefill actor, decode actor) -> pair id
+
+    def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
+        def uuids(group) -> list:
+            return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
+
+        decode = {g.group_id: uuids(g) for g in decode_groups}
+        for p in prefill_groups:
+            mine = uuids(p)
+            for gid, theirs in decode.items():
+                if (None in mine) != (None in theirs):
+                    raise KVTransportUnavailable(f"kv_transport=nccl: {p.group_id} and {gid} are not both on GPUs "
+                                                 "or both on CPUs")
+                shared = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a is not None and a == b]
+                if shared:
+                    raise KVTransportUnavailable(
+                        f"kv_transport=nccl: rank {shared[0]} of {p.group_id} and of {gid} share one GPU, and NCCL "
+                        "cannot pair two ranks on one device; use kv_transport=cuda_ipc")
+
+    def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
+        actors, transfer_id = self._stage(group, pages)
+        payload = KVPayload(self.name, group.group_id, tuple((a, transfer_id) for a in actors), len(pages),
+                            num_tokens)
+        weakref.finalize(payload, _drop_staged, actors, transfer_id)
+        return payload
+
+    def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+        where = f"KV hand-off {payload.source_group} -> {group.group_id}"
+        actors = group.rank_actors()
+        if payload.transport != self.name or len(pages) != payload.num_pages or len(actors) != len(payload.shards):
+            raise KVTransferFailed(f"{where}: payload of {payload.transport!r} with {payload.num_pages} pages and "
+                                   f"{len(payload.shards)} shards for {len(pages)} pages on {len(actors)} live ranks")
+        pairs = [(src, dst, self._pair(src, dst, timeout_s, where)) for (src, _), dst in zip(payload.shards, actors)]
+        refs = []
+        for (src, transfer_id), (_, dst, pair_id) in zip(payload.shards, pairs):
+            refs += [rank_call(src, "p2p_send", pair_id, transfer_id), rank_call(dst, "p2p_recv", pair_id, list(pages))]
+        try:
+            return sum(ray.get(refs, timeout=timeout_s)) // 2
+        except (GetTimeoutError, RayError) as e:
+            for src, dst, pair_id in pairs:  # a failed transfer leaves the pair unusable: rebuild it next time
+                self._pairs.pop((src._actor_id.hex(), dst._actor_id.hex()), None)
+                for a in (src, dst):
+                    rank_call(a, "p2p_close", pair_id)
+            if isinstance(e, GetTimeoutError):
+                raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
+            raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
+
+    def _pair(self, src, dst, timeout_s: float, where: str) -> str:
+        key = (src._actor_id.hex(), dst._actor_id.hex())
+        if key in self._pairs:
+            return self._pairs[key]
+        pair_id = f"kv-{uuid.uuid4().hex[:12]}"
+        try:
+            host, port = ray.get(rank_call(src, "pair_address"), timeout=timeout_s)
+            ray.get([rank_call(src, "p2p_open", pair_id, host, port, 0, timeout_s),
+                     rank_call(dst, "p2p_open", pair_id, host, port, 1, timeout_s)], timeout=timeout_s)
+        except (GetTimeoutError, RayError) as e:
+            for a in (src, dst):
+                rank_call(a, "p2p_close", pair_id)
+            raise KVTransferFailed(f"{where}: opening the point-to-point pair failed: {describe_ray_error(e)}") \
+                from None
+        self._pairs[key] = pair_id
+        return pair_id
+
+
 def _drop_staged(actors: list, transfer_id: str) -> None:
     for a in actors:
         try:
@@ -183,18 +257,12 @@ def describe_ray_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-TRANSPORTS: dict[str, type[KVTransport]] = {t.name: t for t in (ObjectStoreTransport, CudaIpcTransport)}
-NOT_BUILT = ("nccl",)
+TRANSPORTS: dict[str, type[KVTransport]] = {t.name: t for t in (ObjectStoreTransport, CudaIpcTransport,
+                                                                  P2PTransport)}
 
 
 def create_transport(name: str) -> KVTransport:
     """The transport called ``name``; raises :class:`KVTransportUnavailable` for any other."""
     if name in TRANSPORTS:
         return TRANSPORTS[name]()
-    built = ", ".join(sorted(TRANSPORTS))
-    if name in NOT_BUILT:
-        raise KVTransportUnavailable(
-            f"kv_transport={name!r} is not available: this build has {built}. NCCL point-to-point "
-            "between groups on different GPUs plugs in as a KVTransport subclass in cluster/kv_transport.py")
-    raise KVTransportUnavailable(f"unknown kv_transport {name!r}; available: {built} "
-                                 f"(planned, not built: {', '.join(NOT_BUILT)})")
+    raise KVTransportUnavailable(f"unknown kv_transport {name!r}; available: {', '.join(sorted(TRANSPORTS))}")

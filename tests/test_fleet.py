@@ -106,10 +106,8 @@ def test_config_transport_and_gate_errors_are_clear(path):
         FleetConfig.from_config(cfg, mode="disaggregated", prefill_tp_size=2, decode_tp_size=1)
     with pytest.raises(ConfigError, match="unknown fleet option 'num_groups'"):
         FleetConfig.from_config(cfg, num_groups=2)
-    with pytest.raises(KVTransportUnavailable, match="kv_transport='nccl' is not available: this build has "
-                                                     "cuda_ipc, object_store"):
-        create_transport("nccl")
-    with pytest.raises(KVTransportUnavailable, match="unknown kv_transport 'smoke'"):
+    with pytest.raises(KVTransportUnavailable, match="unknown kv_transport 'smoke'; available: cuda_ipc, nccl, "
+                                                     "object_store"):
         create_transport("smoke")
     fc = FleetConfig.from_config(cfg, mode="disaggregated", num_decode_groups=2, name="x")
     assert fc.groups() == [("x-p0", "prefill"), ("x-d0", "decode"), ("x-d1", "decode")]
@@ -196,6 +194,16 @@ def test_cuda_ipc_on_cpu_ranks_fails_at_start_and_leaves_nothing(ray_local, path
         Fleet.start(_config(path, "cluster.kv_transport=cuda_ipc"), mode="disaggregated", name="ipc")
     _wait_until(lambda: not [n for n in ray.util.list_named_actors() if n.startswith("graphfleet-ipc-")], 60,
                 "the fleet's rank actors to be gone")
+
+
+def test_nccl_transport_over_gloo_matches_engine_and_pages_return(ray_local, path, reference):
+    """kv_transport=nccl between CPU ranks: the same point-to-point protocol over gloo."""
+    prompts = _prompts(6, seed=5)
+    with Fleet.start(_config(path, "cluster.kv_transport=nccl"), mode="disaggregated", name="p2p") as fleet:
+        outs = fleet.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference(prompts)]
+        assert all(o.error is None for o in outs)
+        _wait_until(lambda: _pages_back(fleet), 30, "KV pages back on every group")
 
 
 def test_colocated_matches_engine(ray_local, path, reference):

@@ -300,7 +300,8 @@ class ClusterConfig(Section):
         channels, ~0.1 ms a step) instead of a Ray task per rank per step (~1-3 ms).
     num_prefill_groups, num_decode_groups: groups per role when mode is disaggregated (>= 1).
     prefill_tp_size, decode_tp_size: each role's tp degree; None = tp_size (equal for hand-off).
-    kv_transport: how KV moves from prefill to decode ranks ("object_store" is built).
+    kv_transport: how KV moves from prefill to decode ranks: "object_store" (anywhere), "cuda_ipc"
+        (groups sharing one GPU), "nccl" (point-to-point between matching ranks; gloo on CPU).
     handoff_timeout_s: bound on one KV import into a decode group (> 0).
     lost_after_s: a dead group not back after this long is lost to its requests (> 0).
     max_attempts: prefills a request may take before group failures end it with an error (>= 1).
