@@ -112,19 +112,23 @@ class _Incarnation:
         return dead
 
     def kill(self, graceful_s: float = 5.0) -> None:
-        """Release graphs and the process group where the ranks still answer, then kill them."""
-        if self._dag is not None:
-            dag, self._dag = self._dag, None
-            try:
-                dag.teardown()
-            except Exception as e:  # noqa: BLE001 - a dead rank may fail the teardown; the kill follows
-                log.warning("group %s: compiled graph teardown: %s", self.group_id, e)
+        """Release graphs and the process group where the ranks still answer, then kill them.
+
+        The compiled graph is torn down last: a rank stuck in a step would hold its teardown, while
+        tearing down over killed ranks returns at once.
+        """
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
+        if self._dag is not None:
+            dag, self._dag = self._dag, None
+            try:
+                dag.teardown()
+            except Exception as e:  # noqa: BLE001 - the ranks are gone; nothing is left to release
+                log.warning("group %s: compiled graph teardown: %s", self.group_id, e)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -122,6 +122,40 @@ def test_killed_rank_fails_group_restarts_and_requests_complete(ray_local, check
 
 
 @pytest.mark.timeout(300)
+def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpoint_dir):
+    """A rank frozen mid-generation (SIGSTOP: alive, silent): the compiled-graph step times out
+    after cluster.step_timeout_s, the group is killed (teardown cannot wait on the frozen rank)
+    and restarted, and the requests still finish with the right tokens."""
+    import os
+    import signal
+
+    path = checkpoint_dir("tiny-llama")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [300, 301, 302]]
+    expected = [o.token_ids for o in Engine(_config(path, 1)).generate(prompts, params)]
+    cfg = _config(path, 1, "cluster.step_timeout_s=3")
+    assert cfg.cluster.compiled_graph
+    group = WorkerGroup(cfg)
+    engine = Engine(cfg, executor=group)
+    try:
+        ids = [engine.add_request(p, params) for p in prompts]
+        engine.step()
+        pid = ray.get(group.rank_actors()[0].__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert engine.step() == []  # timed out: requests re-queued
+        assert time.monotonic() - started < 3 + 5 + 20, "failing the stuck group took too long"
+        assert "step exceeded cluster.step_timeout_s=3" in group.last_error
+        while engine.has_unfinished():
+            engine.step()
+            assert time.monotonic() - started < 240
+        assert [engine.output(i).token_ids for i in ids] == expected
+        assert group.restarts == 1 and group.state is GroupState.READY
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(300)
 def test_group_that_cannot_be_placed_fails_fast_with_a_reason(ray_local, checkpoint_dir):
     from cluster.rank import GroupUnavailable
 
