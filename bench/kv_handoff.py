@@ -39,7 +39,8 @@ def handoff_times(transport, prefill, decode, pages: list[int], tokens: int, rep
     for i in range(repeats + 1):
         start = time.perf_counter()
         payload = transport.export(prefill, pages, tokens)
-        ray.wait(list(payload.shards), num_returns=len(payload.shards), timeout=timeout_s)
+        refs = [s for s in payload.shards if isinstance(s, ray.ObjectRef)]  # nccl: staged on the device
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         exported = time.perf_counter()
         transport.import_(decode, pages, payload, timeout_s)
         done = time.perf_counter()
