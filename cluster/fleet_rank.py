@@ -33,6 +33,10 @@ class FleetRankActor(RankActor):
         from worker import kv_pages
 
         out = kv_pages.export_pages(self.worker, pages)
+        if out.is_cuda:
+            # Tasks and compiled-graph steps may run on different streams: the copy must be done,
+            # not just enqueued, before the pages are reused.
+            torch.cuda.current_stream(out.device).synchronize()
         self._staged[transfer_id] = out
         return out.numel() * out.element_size()
 
@@ -89,6 +93,8 @@ class FleetRankActor(RankActor):
             payload = _tensor_from_bytes(payload, self.worker.kv_cache.dtype,
                                          kv_pages.kv_layout(self.worker).payload_shape(len(pages)))
         kv_pages.import_pages(self.worker, pages, payload)
+        if self.worker.device.type == "cuda":
+            torch.cuda.current_stream(self.worker.device).synchronize()  # written before the next step reads
         return payload.numel() * payload.element_size()
 
     def kv_layout(self):

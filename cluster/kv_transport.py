@@ -5,9 +5,9 @@ of the prefill group and returns a :class:`KVPayload` at once; ``import_`` write
 pages of a decode group (rank ``i`` receives rank ``i``'s shard) and blocks until every rank has.
 
 Ordering invariant (what makes freeing the prefill pages right after ``export`` safe): ``export``
-returns only once every rank has enqueued a device copy of the pages (``stage_pages``), on the
-stream its steps use, so any later step's writes come after the copy; task order alone would not
-do, because compiled-graph steps run on another thread of the rank than its Ray tasks. A timed-out
+returns only once every rank has finished a device copy of the pages (``stage_pages``), so any
+later step's writes come after the copy; task order alone would not do, because compiled-graph
+steps run on another thread (and perhaps stream) of the rank than its Ray tasks. A timed-out
 import could still write after the decode group reuses the pages: the fleet fails that group
 (``KVTransferFailed.timed_out``), as for a step timeout.
 
