@@ -10,6 +10,7 @@ import math
 import warnings
 
 import numpy as np
+import ray
 import torch
 
 from cluster.rank_actor import RankActor
@@ -22,6 +23,11 @@ class FleetRankActor(RankActor):
     actor holds (the caller waits for it: afterwards the pages may be reused by any later
     step, whichever thread runs it), then ``take_staged`` hands the copy over.
     """
+
+    #: Point-to-point sends and receives run on threads of their own: one blocked on a dead peer
+    #: (until its pair's timeout) must not hold up staging, imports, shutdown, or the transfers of
+    #: newer pairs. The fleet loop runs one transfer per pair at a time.
+    concurrency_groups = {"kv_p2p": 4}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -137,6 +143,7 @@ class FleetRankActor(RankActor):
         self._pairs[pair_id] = (group, store, 1 - rank)
         return backend
 
+    @ray.method(concurrency_group="kv_p2p")
     def p2p_send(self, pair_id: str, transfer_id: str) -> int:
         """Send the staged copy ``transfer_id`` to the pair's other rank (it is dropped here after)."""
         import torch
@@ -148,6 +155,7 @@ class FleetRankActor(RankActor):
             torch.cuda.current_stream(staged.device).synchronize()
         return staged.numel() * staged.element_size()
 
+    @ray.method(concurrency_group="kv_p2p")
     def p2p_recv(self, pair_id: str, pages: list[int]) -> int:
         """Receive a request's KV from the pair's other rank into ``pages``."""
         import torch

@@ -55,7 +55,8 @@ class _Incarnation:
         except GetTimeoutError:
             raise GroupUnavailable(f"placement group for {tp} ranks x {bundle} not ready after "
                                    f"{c.start_timeout_s:.0f}s: the cluster lacks those resources") from None
-        actor_cls = ray.remote(self.actor_cls)
+        groups = getattr(self.actor_cls, "concurrency_groups", None)
+        actor_cls = ray.remote(concurrency_groups=groups)(self.actor_cls) if groups else ray.remote(self.actor_cls)
         config_dict = self.config.to_dict()
         for rank in range(tp):
             info = RankInfo(self.group_id, self.generation, rank, tp, self.role)

@@ -24,6 +24,7 @@ fails.
 
 from __future__ import annotations
 
+import time
 import uuid
 import weakref
 from abc import ABC, abstractmethod
@@ -210,7 +211,7 @@ class P2PTransport(KVTransport):
         for (src, transfer_id), (_, dst, pair_id) in zip(payload.shards, pairs):
             refs += [rank_call(src, "p2p_send", pair_id, transfer_id), rank_call(dst, "p2p_recv", pair_id, list(pages))]
         try:
-            return sum(ray.get(refs, timeout=timeout_s)) // 2
+            return sum(_get_failing_fast(refs, timeout_s)) // 2
         except (GetTimeoutError, RayError) as e:
             for src, dst, pair_id in pairs:  # a failed transfer leaves the pair unusable: rebuild it next time
                 self._pairs.pop((src._actor_id.hex(), dst._actor_id.hex()), None)
@@ -236,6 +237,21 @@ class P2PTransport(KVTransport):
                 from None
         self._pairs[key] = pair_id
         return pair_id
+
+
+def _get_failing_fast(refs: list, timeout_s: float) -> list:
+    """``ray.get(refs)``, but the first failure raises at once: when one side of a transfer dies,
+    the other waits on it until the pair's timeout, and so would a plain ``ray.get``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GetTimeoutError(f"{len(pending)} of {len(refs)} transfer tasks not done after {timeout_s:g}s")
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            ray.get(ref)  # raises the task's error
+    return ray.get(refs)
 
 
 def _drop_staged(actors: list, transfer_id: str) -> None:
