@@ -24,9 +24,9 @@ class FleetRankActor(RankActor):
     step, whichever thread runs it), then ``take_staged`` hands the copy over.
     """
 
-    #: Point-to-point sends and receives run on threads of their own: one blocked on a dead peer
-    #: (until its pair's timeout) must not hold up staging, imports, shutdown, or the transfers of
-    #: newer pairs. The fleet loop runs one transfer per pair at a time.
+    #: Point-to-point opens, sends and receives run on threads of their own: one blocked on a dead
+    #: peer (until its pair's timeout) must not hold up staging, imports, shutdown, or the
+    #: transfers of newer pairs. The fleet loop runs one transfer per pair at a time.
     concurrency_groups = {"kv_p2p": 4}
 
     def __init__(self, *args, **kwargs) -> None:
@@ -121,6 +121,7 @@ class FleetRankActor(RankActor):
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
+    @ray.method(concurrency_group="kv_p2p")
     def p2p_open(self, pair_id: str, host: str, port: int, rank: int, timeout_s: float) -> str:
         """Join the two-process group ``pair_id`` (rank 0: the prefill rank, which hosts the store).
 

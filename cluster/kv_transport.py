@@ -228,8 +228,8 @@ class P2PTransport(KVTransport):
         pair_id = f"kv-{uuid.uuid4().hex[:12]}"
         try:
             host, port = ray.get(rank_call(src, "pair_address"), timeout=timeout_s)
-            ray.get([rank_call(src, "p2p_open", pair_id, host, port, 0, timeout_s),
-                     rank_call(dst, "p2p_open", pair_id, host, port, 1, timeout_s)], timeout=timeout_s)
+            _get_failing_fast([rank_call(src, "p2p_open", pair_id, host, port, 0, timeout_s),
+                               rank_call(dst, "p2p_open", pair_id, host, port, 1, timeout_s)], timeout_s)
         except (GetTimeoutError, RayError) as e:
             for a in (src, dst):
                 rank_call(a, "p2p_close", pair_id)
