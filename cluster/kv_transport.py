@@ -142,12 +142,9 @@ class CudaIpcTransport(KVTransport):
     name = "cuda_ipc"
 
     def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
-        def uuids(group) -> list:
-            return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
-
-        decode = {g.group_id: uuids(g) for g in decode_groups}
+        decode = {g.group_id: _device_uuids(g, timeout_s) for g in decode_groups}
         for p in prefill_groups:
-            mine = uuids(p)
+            mine = _device_uuids(p, timeout_s)
             if None in mine:
                 raise KVTransportUnavailable("kv_transport=cuda_ipc moves device memory, but the ranks run on "
                                              "the CPU; use kv_transport=object_store")
@@ -177,12 +174,9 @@ class P2PTransport(KVTransport):
         self._pairs: dict[tuple[str, str], str] = {}  # (prefill actor, decode actor) -> pair id
 
     def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
-        def uuids(group) -> list:
-            return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
-
-        decode = {g.group_id: uuids(g) for g in decode_groups}
+        decode = {g.group_id: _device_uuids(g, timeout_s) for g in decode_groups}
         for p in prefill_groups:
-            mine = uuids(p)
+            mine = _device_uuids(p, timeout_s)
             for gid, theirs in decode.items():
                 if (None in mine) != (None in theirs):
                     raise KVTransportUnavailable(f"kv_transport=nccl: {p.group_id} and {gid} are not both on GPUs "
@@ -237,6 +231,11 @@ class P2PTransport(KVTransport):
                 from None
         self._pairs[key] = pair_id
         return pair_id
+
+
+def _device_uuids(group, timeout_s: float) -> list[str | None]:
+    """Each rank's GPU UUID, in rank order (None for a CPU rank)."""
+    return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
 
 
 def _get_failing_fast(refs: list, timeout_s: float) -> list:

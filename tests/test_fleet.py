@@ -187,43 +187,6 @@ def test_engine_hands_off_to_another_engine_token_for_token(path, reference):
 
 # ----- equality with the in-process engine -----
 
-@pytest.mark.timeout(180)
-def test_cuda_ipc_on_cpu_ranks_fails_at_start_and_leaves_nothing(ray_local, path):
-    with pytest.raises(KVTransportUnavailable, match="kv_transport=cuda_ipc moves device memory, but the ranks "
-                                                     "run on the CPU; use kv_transport=object_store"):
-        Fleet.start(_config(path, "cluster.kv_transport=cuda_ipc"), mode="disaggregated", name="ipc")
-    _wait_until(lambda: not [n for n in ray.util.list_named_actors() if n.startswith("graphfleet-ipc-")], 60,
-                "the fleet's rank actors to be gone")
-
-
-@pytest.mark.timeout(240)
-def test_nccl_transport_over_gloo_matches_engine_and_survives_a_decode_restart(ray_local, path, reference):
-    """kv_transport=nccl between CPU ranks: the same point-to-point protocol over gloo. Killing the
-    decode rank mid-traffic: every request still completes, and hand-offs to the restarted group
-    go over a new pair."""
-    prompts = _prompts(6, seed=5)
-    with Fleet.start(_config(path, "cluster.kv_transport=nccl"), mode="disaggregated", name="p2p") as fleet:
-        outs = fleet.generate(prompts, GREEDY)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in reference(prompts)]
-        assert all(o.error is None for o in outs)
-        _wait_until(lambda: _pages_back(fleet), 30, "KV pages back on every group")
-
-        more = _prompts(8, seed=6)
-        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-        expected = [o.token_ids for o in reference(more, params)]
-        group = fleet.group("p2p-d0")
-        threads, results, progress = _open_streams(fleet, more, params)
-        _wait_until(lambda: sum(p >= 2 for p in progress) >= 2, 60, "streams decoding")
-        ray.kill(group.rank_actors()[0], no_restart=True)
-        _join(threads, 200)
-        assert [results[i][0] for i in range(8)] == expected
-        assert all(last.finish_reason == "length" for _, last in results.values())
-        again = fleet.generate([more[0]], params, timeout_s=120)[0]
-        assert again.token_ids == expected[0] and again.error is None
-        assert group.restarts == 1
-        _wait_until(lambda: _pages_back(fleet), 60, "KV pages back on every group")
-
-
 def test_colocated_matches_engine(ray_local, path, reference):
     prompts = _prompts(6, seed=1)
     with Fleet.start(_config(path), name="colo") as fleet:
