@@ -10,7 +10,6 @@ the same comparison on the CPU (graphs off) with ``--preset tiny-llama``: the ho
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,26 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import environment, print_table, wall_times, write_results  # noqa: E402
+from bench.common import decode_step_seconds, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from cluster.group import WorkerGroup  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.sampling.params import SamplingParams  # noqa: E402
-
-
-def step_times(engine: Engine, batch: int, context: int, repeats: int) -> float:
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
-    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
-           for _ in range(batch)]
-    while any(engine.requests[i].prefilling for i in ids):
-        engine.step()
-    times = wall_times(engine.step, repeats=repeats, warmup=5)
-    for i in ids:
-        engine.abort(i)
-        engine.release(i)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -58,7 +42,7 @@ def main() -> None:
                  f"cache.num_pages={max(batches) * (args.context // 16 + 16) + 64}"]
     cfg = load_config(None, overrides)
     local = Engine(cfg)
-    local_times = {b: step_times(local, b, args.context, args.repeats) for b in batches}
+    local_times = {b: decode_step_seconds(local, b, args.context, args.repeats) for b in batches}
     local.shutdown()
     del local
     if cuda:
@@ -69,7 +53,7 @@ def main() -> None:
         group_cfg = load_config(None, [*overrides, f"cluster.compiled_graph={str(compiled).lower()}"])
         group = WorkerGroup(group_cfg)
         remote = Engine(group_cfg, executor=group)
-        actor_times[compiled] = {b: step_times(remote, b, args.context, args.repeats) for b in batches}
+        actor_times[compiled] = {b: decode_step_seconds(remote, b, args.context, args.repeats) for b in batches}
         group.shutdown()
     ray.shutdown()
     rows = [{"preset": args.preset, "batch": b, "in_process_ms": local_times[b] * 1e3,

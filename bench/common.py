@@ -89,6 +89,24 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[
     return out
 
 
+def decode_step_seconds(engine, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of an engine step decoding ``batch`` requests of ``context`` random prompt
+    tokens (after their prefill); the requests are aborted and released afterwards."""
+    from worker.sampling.params import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
+           for _ in range(batch)]
+    while any(engine.requests[i].prefilling for i in ids):
+        engine.step()
+    step = statistics.median(wall_times(engine.step, repeats=repeats, warmup=5))
+    for i in ids:
+        engine.abort(i)
+        engine.release(i)
+    return step
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 import urllib.request
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench.common import environment, print_table, wall_times, write_results  # noqa: E402
+from bench.common import decode_step_seconds, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from bench.serve_load import random_prompts, run_load, steady_decode_rate, summarize  # noqa: E402
 
@@ -92,16 +91,9 @@ def in_process_decode(path: Path, overrides: list[str], batch: int, context: int
     """Median decode step of the in-process engine with ``batch`` requests of ``context`` tokens."""
     from deploy.config import load_config
     from worker.engine import Engine
-    from worker.sampling.params import SamplingParams
 
     engine = Engine(load_config(None, [f"model.path={path}", *overrides]))
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
-    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
-           for _ in range(batch)]
-    while any(engine.requests[i].prefilling for i in ids):
-        engine.step()
-    step = statistics.median(wall_times(engine.step, repeats=repeats, warmup=5))
+    step = decode_step_seconds(engine, batch, context, repeats)
     assert all(s.phase == "decode" and s.batch_size == batch for s in list(engine.step_stats)[-repeats:])
     engine.shutdown()
     del engine

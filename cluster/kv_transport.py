@@ -96,7 +96,8 @@ class KVTransport(ABC):
             raise KVTransferFailed(f"KV export from {group.group_id} failed: {describe_ray_error(e)}") from None
         return actors, transfer_id
 
-    def _import(self, method: str, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+    def _targets(self, group, pages: list[int], payload: KVPayload) -> tuple[str, list]:
+        """(a description of the hand-off, the live ranks of ``group``) once ``payload`` fits them."""
         where = f"KV hand-off {payload.source_group} -> {group.group_id}"
         if payload.transport != self.name:
             raise KVTransferFailed(f"{where}: payload came from transport {payload.transport!r}, not {self.name!r}")
@@ -106,13 +107,12 @@ class KVTransport(ABC):
         if len(actors) != len(payload.shards):
             raise KVTransferFailed(f"{where}: {len(payload.shards)} shards for {len(actors)} live ranks "
                                    f"(group {group.group_id} is {group.state.value})")
-        refs = [rank_call(a, method, list(pages), s) for a, s in zip(actors, payload.shards)]
-        try:
-            return sum(ray.get(refs, timeout=timeout_s))
-        except GetTimeoutError:
-            raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
-        except RayError as e:
-            raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
+        return where, actors
+
+    def _import(self, method: str, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+        where, actors = self._targets(group, pages, payload)
+        return sum(_transfer([rank_call(a, method, list(pages), s) for a, s in zip(actors, payload.shards)],
+                             timeout_s, where))
 
     @abstractmethod
     def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
@@ -195,25 +195,19 @@ class P2PTransport(KVTransport):
         return payload
 
     def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        where = f"KV hand-off {payload.source_group} -> {group.group_id}"
-        actors = group.rank_actors()
-        if payload.transport != self.name or len(pages) != payload.num_pages or len(actors) != len(payload.shards):
-            raise KVTransferFailed(f"{where}: payload of {payload.transport!r} with {payload.num_pages} pages and "
-                                   f"{len(payload.shards)} shards for {len(pages)} pages on {len(actors)} live ranks")
+        where, actors = self._targets(group, pages, payload)
         pairs = [(src, dst, self._pair(src, dst, timeout_s, where)) for (src, _), dst in zip(payload.shards, actors)]
         refs = []
         for (src, transfer_id), (_, dst, pair_id) in zip(payload.shards, pairs):
             refs += [rank_call(src, "p2p_send", pair_id, transfer_id), rank_call(dst, "p2p_recv", pair_id, list(pages))]
         try:
-            return sum(_get_failing_fast(refs, timeout_s)) // 2
-        except (GetTimeoutError, RayError) as e:
+            return sum(_transfer(refs, timeout_s, where)) // 2  # each byte is counted by its sender and receiver
+        except KVTransferFailed:
             for src, dst, pair_id in pairs:  # a failed transfer leaves the pair unusable: rebuild it next time
                 self._pairs.pop((src._actor_id.hex(), dst._actor_id.hex()), None)
                 for a in (src, dst):
                     rank_call(a, "p2p_close", pair_id)
-            if isinstance(e, GetTimeoutError):
-                raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
-            raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
+            raise
 
     def _pair(self, src, dst, timeout_s: float, where: str) -> str:
         key = (src._actor_id.hex(), dst._actor_id.hex())
@@ -236,6 +230,17 @@ class P2PTransport(KVTransport):
 def _device_uuids(group, timeout_s: float) -> list[str | None]:
     """Each rank's GPU UUID, in rank order (None for a CPU rank)."""
     return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
+
+
+def _transfer(refs: list, timeout_s: float, where: str) -> list:
+    """The results of a hand-off's rank tasks, failing as soon as one fails, as
+    :class:`KVTransferFailed` (``timed_out`` when the tasks may still be writing)."""
+    try:
+        return _get_failing_fast(refs, timeout_s)
+    except GetTimeoutError:
+        raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
+    except RayError as e:
+        raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
 
 
 def _get_failing_fast(refs: list, timeout_s: float) -> list:

@@ -30,3 +30,13 @@ def checkpoint_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ray_gpu():
+    """A local Ray on 127.0.0.1 with this machine's GPUs (the GPU cluster and fleet tests)."""
+    ray = pytest.importorskip("ray")
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=torch.cuda.device_count(),
+             include_dashboard=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 ray = pytest.importorskip("ray")
-import torch  # noqa: E402
 
 from cluster.group import WorkerGroup  # noqa: E402
 from deploy.config import load_config  # noqa: E402
@@ -23,14 +22,6 @@ from worker.sampling.params import SamplingParams  # noqa: E402
 from worker.step import StepMessage  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def ray_gpu():
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=torch.cuda.device_count(),
-             include_dashboard=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
 
 
 def _config(path, *extra):

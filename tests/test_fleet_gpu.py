@@ -35,14 +35,6 @@ def _prompts(n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def ray_gpu():
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, num_gpus=torch.cuda.device_count(),
-             include_dashboard=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def setup(checkpoint_dir):
     path = checkpoint_dir("tiny-llama")
     prompts = _prompts(12)
