@@ -111,7 +111,7 @@ class AttentionBackend(ABC):
         ``q`` is (tokens, q_heads, head_dim); returns (tokens, q_heads, head_dim).
         """
         self.store(layer, k, v)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.attend(layer, q, out)
         return out
 

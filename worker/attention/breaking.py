@@ -29,6 +29,6 @@ class BreakingAttention:
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.backend.store(layer, k, v)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _attention_break(self.backend, layer, q, out)
         return out

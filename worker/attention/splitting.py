@@ -59,6 +59,6 @@ class SplittingAttention:
         self.name = f"{backend.name}+split"
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
         torch.ops.graphfleet.attention.default(q, k, v, out, self.key, layer)
         return out

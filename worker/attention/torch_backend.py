@@ -97,7 +97,7 @@ class TorchAttentionBackend(AttentionBackend):
         return self._attend(q.unsqueeze(1), k, v, mask).squeeze(1)
 
     def _prefill(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(q)
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         for offset, q_len, seq_len, pages in self._prefill_rows:
             k, v = self._gather(cache, torch.tensor([pages], device=q.device))
             k, v = k[:, :seq_len], v[:, :seq_len]

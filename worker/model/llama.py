@@ -56,13 +56,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.kernels.apply_rope(positions, q.contiguous(), k.contiguous(), self.head_dim, cos_sin)
+        # q, k and v stay strided views of qkv (rows qkv_size apart): RoPE and the attention
+        # backends take row strides, so no copy kernels run between the projection and attention.
+        q, k = self.kernels.apply_rope(positions, q, k, self.head_dim, cos_sin)
         tokens = x.shape[0]
         out = attn.run(
             self.layer,
             q.view(tokens, self.q_heads, self.head_dim),
             k.view(tokens, self.kv_heads, self.head_dim),
-            v.contiguous().view(tokens, self.kv_heads, self.head_dim),
+            v.view(tokens, self.kv_heads, self.head_dim),
         )
         return self.o_proj(out.reshape(tokens, self.q_size))
 
