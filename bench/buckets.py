@@ -12,18 +12,20 @@
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from graphs.planner import expected_padded_rows, expected_padded_tokens  # noqa: E402
+from graphs.profile import BatchProfile  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.traces import run_trace, skewed_trace  # noqa: E402
 
@@ -36,33 +38,50 @@ def run(cfg, trace, seed: int) -> tuple[Engine, float]:
     return engine, sum(s.duration_s for s in engine.step_stats)
 
 
+def run_one(args, ladder: str, out: str) -> None:
+    """One side in this process: replay the trace, write its ladders, graph bytes and step time."""
+    path = ensure_checkpoint(args.preset, Path(args.checkpoints))
+    overrides = [f"model.path={path}", "model.dtype=bfloat16", "scheduler.max_running_requests=128",
+                 "graphs.decode.max_batch_size=128", "scheduler.chunked_prefill_size=2048",
+                 "graphs.prefill.max_tokens=2048", "cache.num_pages=20000"]
+    profile_path = Path(out).with_name("default-profile.json")
+    if ladder == "guided":
+        overrides.append(f"graphs.profile={profile_path}")
+    trace = skewed_trace(args.requests, seed=args.seed)
+    engine, step_s = run(load_config(None, overrides), trace, args.seed)
+    w = engine.worker
+    if ladder == "default":
+        w.profile().save(str(profile_path))
+    side = {"decode": list(w.runner.decode_graphs.ladder), "prefill": list(w.runner.prefill_graphs.ladder),
+            "bytes": w.runner.decode_graphs.backend.resident_bytes + w.runner.prefill_graphs.backend.resident_bytes,
+            "slots": w.runner.prefill_graphs.slots, "ratio": w.runner.prefill_graphs.max_padding_ratio,
+            "budget_notes": list(w.budget_report.notes) if w.budget_report is not None else [],
+            "step_s": step_s}
+    engine.shutdown()
+    Path(out).write_text(json.dumps(side))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tinyllama-1.1b")
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--one", nargs=2, metavar=("LADDER", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    path = ensure_checkpoint(args.preset, Path(args.checkpoints))
-    overrides = [f"model.path={path}", "model.dtype=bfloat16", "scheduler.max_running_requests=128",
-                 "graphs.decode.max_batch_size=128", "scheduler.chunked_prefill_size=2048",
-                 "graphs.prefill.max_tokens=2048", "cache.num_pages=20000"]
-    trace = skewed_trace(args.requests, seed=args.seed)
-    default_engine, default_time = run(load_config(None, overrides), trace, args.seed)
-    profile = default_engine.worker.profile()
-    w = default_engine.worker
-    default = {"decode": list(w.runner.decode_graphs.ladder), "prefill": list(w.runner.prefill_graphs.ladder),
-               "bytes": w.runner.decode_graphs.backend.resident_bytes + w.runner.prefill_graphs.backend.resident_bytes,
-               "slots": w.runner.prefill_graphs.slots, "ratio": w.runner.prefill_graphs.max_padding_ratio}
-    default_engine.shutdown()
-    del default_engine, w
-    torch.cuda.empty_cache()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        profile.save(f.name)
-        guided_engine, guided_time = run(load_config(None, [*overrides, f"graphs.profile={f.name}"]), trace, args.seed)
-    g = guided_engine.worker
-    guided = {"decode": list(g.runner.decode_graphs.ladder), "prefill": list(g.runner.prefill_graphs.ladder),
-              "bytes": g.runner.decode_graphs.backend.resident_bytes + g.runner.prefill_graphs.backend.resident_bytes}
+    if args.one:
+        return run_one(args, *args.one)
+    # Each ladder runs in its own process: a process keeps its graph pool's freed blocks, so a
+    # second engine in the same process would capture into them and measure no pool growth.
+    work = Path(tempfile.mkdtemp(prefix="buckets-"))
+    sides = {}
+    for ladder in ("default", "guided"):
+        out = work / f"{ladder}.json"
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", ladder, str(out)], check=True)
+        sides[ladder] = json.loads(out.read_text())
+    default, guided = sides["default"], sides["guided"]
+    profile = BatchProfile.load(work / "default-profile.json")
+    default_time, guided_time = default.pop("step_s"), guided.pop("step_s")
     rows = []
     for name, lad, t in (("default", default, default_time), ("profile-guided", guided, guided_time)):
         rows.append({

@@ -142,13 +142,17 @@ def summarize(records: list[RequestRecord], duration: float, slo_ttft_ms: float 
 
 
 def steady_decode_rate(records: list[RequestRecord]) -> float | None:
-    """Decode tokens/s of requests sent together: their count over the median token gap while every
-    one of them is decoding (from the last first token to the first last token); all gaps if that
-    window is empty."""
+    """Decode tokens/s of requests sent together, while every one of them is decoding: the tokens
+    received from the last first token to the first last token, over that window's length (the
+    whole span of each request's tokens if that window is empty). Counting tokens over a window,
+    not gaps between them, stays right when the server sends several tokens in one write."""
     ok = [r for r in records if r.ok and len(r.token_times) > 1]
     if not ok:
         return None
     lo, hi = max(r.token_times[0] for r in ok), min(r.token_times[-1] for r in ok)
-    gaps = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:]) if a >= lo and b <= hi]
-    gaps = gaps or [g for r in ok for g in r.itls]
-    return len(ok) / float(np.median(gaps))
+    if hi <= lo:
+        lo, hi = min(r.token_times[0] for r in ok), max(r.token_times[-1] for r in ok)
+        if hi <= lo:
+            return None
+    tokens = sum(1 for r in ok for t in r.token_times if lo < t <= hi)
+    return tokens / (hi - lo)

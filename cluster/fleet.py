@@ -13,7 +13,6 @@ and enqueue in the caller's thread and read events from a per-request queue.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import queue
@@ -76,41 +75,78 @@ class RequestHandle:
         """
         return self._token_times
 
+    def _deadline(self, wait_s: float | None) -> float | None:
+        if wait_s is not None:
+            return time.monotonic() + wait_s
+        if self._timeout_s is not None:
+            return self._submitted + self._timeout_s + 30.0  # the loop ends it at its deadline
+        return None
+
+    def _wait_left(self, end: float | None, wait_s: float | None) -> float:
+        """Seconds of the next poll; raises when the wait is over or the fleet has stopped."""
+        left = _POLL_S if end is None else min(_POLL_S, end - time.monotonic())
+        if left <= 0:
+            raise TimeoutError(f"request {self.request_id}: no event within {wait_s}s")
+        return left
+
+    def _closed(self) -> FleetClosed | None:
+        if self._fleet._loop_alive():
+            return None
+        return FleetClosed(f"request {self.request_id}: the fleet stopped ({self._fleet._stopped_why()})")
+
     def _next(self, wait_s: float | None) -> RequestEvent | RequestOutput:
         """The next item from the loop; waits at most ``wait_s`` (None: until the request's deadline)."""
-        end = None if wait_s is None else time.monotonic() + wait_s
-        if end is None and self._timeout_s is not None:
-            end = self._submitted + self._timeout_s + 30.0  # the loop ends it at its deadline
+        end = self._deadline(wait_s)
         while True:
-            left = _POLL_S if end is None else min(_POLL_S, end - time.monotonic())
-            if left <= 0:
-                raise TimeoutError(f"request {self.request_id}: no event within {wait_s}s")
             try:
-                return self._sink.get(timeout=left)
+                return self._sink.get(timeout=self._wait_left(end, wait_s))
             except queue.Empty:
-                if not self._fleet._loop_alive():
-                    raise FleetClosed(f"request {self.request_id}: the fleet stopped ({self._fleet._stopped_why()})") \
-                        from None
+                if (closed := self._closed()) is not None:
+                    raise closed from None
+
+    async def _anext(self, wait_s: float | None) -> RequestEvent | RequestOutput:
+        """:meth:`_next` for asyncio: awaits on the caller's loop without holding a thread."""
+        end = self._deadline(wait_s)
+        while True:
+            try:
+                return await self._sink.aget(timeout=self._wait_left(end, wait_s))
+            except queue.Empty:
+                if (closed := self._closed()) is not None:
+                    raise closed from None
+
+    def _take(self, item: RequestEvent | RequestOutput) -> RequestEvent | None:
+        """Record ``item``; the event to hand out, or None for the final output."""
+        if isinstance(item, RequestOutput):
+            self._output = item
+            return None
+        if item.finished:
+            self._finished = True
+        return item
 
     def events(self, wait_s: float | None = None) -> Iterator[RequestEvent]:
         """Yield this request's events until the final one; ``wait_s`` bounds each wait (TimeoutError)."""
         while not self._finished:
-            item = self._next(wait_s)
-            if isinstance(item, RequestOutput):
-                self._output = item
-                continue
-            if item.finished:
-                self._finished = True
-            yield item
+            event = self._take(self._next(wait_s))
+            if event is not None:
+                yield event
+
+    async def aevents(self, wait_s: float | None = None) -> AsyncIterator[RequestEvent]:
+        """:meth:`events` for asyncio (no thread is held while waiting)."""
+        while not self._finished:
+            event = self._take(await self._anext(wait_s))
+            if event is not None:
+                yield event
 
     def result(self, wait_s: float | None = None) -> RequestOutput:
         """Wait for the request to end; ``wait_s`` bounds each wait between events (TimeoutError)."""
         while self._output is None:
-            item = self._next(wait_s)
-            if isinstance(item, RequestOutput):
-                self._output = item
-            elif item.finished:
-                self._finished = True
+            self._take(self._next(wait_s))
+        return self._output
+
+    async def aresult(self, wait_s: float | None = None) -> RequestOutput:
+        """:meth:`result` for asyncio (no thread is held while waiting)."""
+        while self._output is None:
+            self._take(await self._anext(wait_s))
         return self._output
 
     def abort(self) -> bool:
@@ -307,7 +343,7 @@ class Fleet:
 
     def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                 request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestEvent]:
-        """:meth:`stream` for asyncio: events are awaited in a worker thread, never blocking the event loop."""
+        """:meth:`stream` for asyncio: events are awaited on the caller's loop, never blocking it."""
         return _aevents(self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s))
 
     # ----- observation -----
@@ -351,12 +387,8 @@ def _events(handle: RequestHandle, wait_s: float | None) -> Iterator[RequestEven
 
 
 async def _aevents(handle: RequestHandle) -> AsyncIterator[RequestEvent]:
-    events = handle.events()
     try:
-        while True:
-            event = await asyncio.to_thread(next, events, None)
-            if event is None:
-                return
+        async for event in handle.aevents():
             yield event
     finally:
         if not handle.finished:

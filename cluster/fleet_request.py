@@ -2,12 +2,66 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
 from worker.engine import RequestEvent, RequestOutput
 from worker.sampling.params import SamplingParams
+
+
+class EventSink:
+    """Where the fleet's loop thread delivers one request's events and output, in order.
+
+    Readers either block on :meth:`get` (a thread) or await :meth:`aget` (an asyncio loop: no
+    thread is held while the request runs, so a server with many open streams does not run out
+    of executor threads). Each ``put`` wakes the loop an asynchronous reader waits in.
+    """
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def put(self, item) -> None:
+        self._items.put(item)
+        with self._lock:
+            waiter = self._waiter
+        if waiter is not None:
+            loop, ready = waiter
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the reader's loop is closed: nobody is waiting any more
+                pass
+
+    def get(self, timeout: float | None = None):
+        """The next item; raises ``queue.Empty`` after ``timeout`` seconds."""
+        return self._items.get(timeout=timeout)
+
+    async def aget(self, timeout: float):
+        """The next item, awaited; raises ``queue.Empty`` after ``timeout`` seconds."""
+        try:
+            return self._items.get_nowait()
+        except queue.Empty:
+            pass
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._waiter is None or self._waiter[0] is not loop:
+                self._waiter = (loop, asyncio.Event())
+            ready = self._waiter[1]
+        ready.clear()
+        # Cleared before this second look: an item put after it sets ``ready`` again (no lost wake-up).
+        try:
+            return self._items.get_nowait()
+        except queue.Empty:
+            pass
+        try:
+            await asyncio.wait_for(ready.wait(), timeout)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            pass
+        return self._items.get_nowait()
 
 
 @dataclass(eq=False)
@@ -25,7 +79,7 @@ class FleetRequest:
     params: SamplingParams
     seed: int
     timeout_s: float | None
-    sink: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    sink: EventSink = field(default_factory=EventSink)
     submitted: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

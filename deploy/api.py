@@ -368,7 +368,7 @@ def _failed(outputs) -> ApiError | None:
 
 async def _results(jobs: list[Job], metrics: ApiMetrics) -> list:
     try:
-        outs = await asyncio.gather(*(asyncio.to_thread(j.handle.result) for j in jobs))
+        outs = await asyncio.gather(*(j.handle.aresult() for j in jobs))
     except FleetClosed as e:
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
     finally:

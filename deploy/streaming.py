@@ -78,32 +78,32 @@ def _data(obj: BaseModel | dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[Job, Any]]:
-    """Events of every job as they come; cancelling (client disconnect) aborts the unfinished ones."""
+async def _merged(jobs: list[Job]) -> AsyncIterator[list[tuple[Job, Any]]]:
+    """Events of every job as they come, in batches of what is ready at once (one step's tokens of
+    ``n`` choices, or several steps' when the reader fell behind); cancelling (client disconnect)
+    aborts the unfinished ones."""
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:
         try:
-            for_events = job.handle.events()
-            while True:
-                ev = await asyncio.to_thread(next, for_events, None)
-                if ev is None:
-                    break
-                await q.put((job, ev))
+            async for ev in job.handle.aevents():
+                q.put_nowait((job, ev))
         except Exception as e:  # noqa: BLE001 (reported in the stream)
-            await q.put((job, e))
+            q.put_nowait((job, e))
         finally:
-            await q.put((job, None))
+            q.put_nowait((job, None))
 
     tasks = [asyncio.create_task(pump(j)) for j in jobs]
     try:
         left = len(jobs)
         while left:
-            job, item = await q.get()
-            if item is None:
-                left -= 1
-                continue
-            yield job, item
+            ready = [await q.get()]
+            while not q.empty():
+                ready.append(q.get_nowait())
+            left -= sum(item is None for _, item in ready)
+            batch = [(job, item) for job, item in ready if item is not None]
+            if batch:
+                yield batch
     finally:
         for t in tasks:
             t.cancel()
@@ -145,19 +145,27 @@ def _stream_error(item: Exception | Any) -> str:
 async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence[BaseModel], usage_cls,
                   rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
     """The SSE body shared by both endpoints: ``opening`` chunks, one ``chunk(job, event)`` per
-    token event (None skips it), an error event per failed job, usage, then ``[DONE]``."""
+    token event (None skips it), an error event per failed job, usage, then ``[DONE]``.
+
+    Events that are ready together go out as one body write (still one SSE event each): under
+    load that is one message through Serve's proxy per batch instead of one per token.
+    """
     state, merged = _StreamState(jobs, metrics), _merged(jobs)
     try:
         for first in opening:
             yield _data(first)
-        async for job, ev in merged:
-            if isinstance(ev, Exception) or ev.finish_reason == "error":
-                yield _stream_error(ev)
-                continue
-            state.add(job, ev)
-            body = chunk(job, ev)
-            if body is not None:
-                yield _data(body)
+        async for batch in merged:
+            parts = []
+            for job, ev in batch:
+                if isinstance(ev, Exception) or ev.finish_reason == "error":
+                    parts.append(_stream_error(ev))
+                    continue
+                state.add(job, ev)
+                body = chunk(job, ev)
+                if body is not None:
+                    parts.append(_data(body))
+            if parts:
+                yield "".join(parts)
         if include_usage:
             yield _data(_final_usage(usage_cls, rid, created, model, jobs, state))
         yield "data: [DONE]\n\n"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deploy.config import load_config
-from tests.reference import OwnModel, hf_logits, rel_err, rel_l2
+from tests.reference import OwnModel, hf_logits, rel_l2
 from tests.test_model_hf import PROMPT_LENS, TINY_PRESETS, _prompts
 from tests.trained import corpus_prompts, train_checkpoint
 from worker.attention.factory import flashinfer_importable
@@ -67,44 +67,46 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_bf16_logits_and_greedy_match_hf(preset, backend, trained_dir, hf_models):
-    """Our bf16 model against HF's fp32 logits (the accurate reference): relative L2 error <= 2e-2
-    at the prompt and over 16 decode steps on our KV cache; HF's own bf16 model against the same
-    reference is printed as the noise floor. Then the engine's first 8 greedy tokens equal HF
-    bf16's for every prompt."""
+    """Our bf16 model against HF's fp32 logits (the accurate reference): the relative L2 error of
+    each step's logits (the whole prompt batch, then each of 16 decode steps on our KV cache) is
+    <= 2e-2. Then the engine's first 8 greedy tokens equal HF bf16's for every prompt.
+
+    The error is taken per step, not per position: HF's own bf16 model exceeds 2e-2 at single
+    positions of tiny-qwen3 (up to 0.033 against fp32; ``bench/precision.py`` measures it), so a
+    per-position bound would fail the reference implementation itself. Per-position errors and
+    HF bf16's (the noise floor) are printed beside ours.
+    """
     _skip_missing(backend)
     path = trained_dir(preset)
     hf32, hf16 = hf_models(path, torch.float32), hf_models(path, torch.bfloat16)
-    kernels = select_kernels(torch.device("cuda"), prefer_fused=backend == "flashinfer")
+    kernels = select_kernels(torch.device("cuda"), prefer_fused=backend == "flashinfer")  # as Worker picks
     ours = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend=backend, kernels=kernels)
     prompts = corpus_prompts(path, PROMPT_LENS, seed=len(preset))
     reqs = [ours.new_request(p, i) for i, p in enumerate(prompts)]
     logits = ours.step(reqs, [len(p) for p in prompts], is_prefill=True)
-    errors, floors, worst_max = [], [], 0.0
+    steps, floors, positions = [], [], []
 
-    def check(got, seq, rows):
-        nonlocal worst_max
-        ref = hf_logits(hf32, seq)[rows]
-        errors.append(rel_l2(got, ref))
-        floors.append(rel_l2(hf_logits(hf16, seq)[rows], ref))
-        worst_max = max(worst_max, rel_err(got, ref))
-        assert errors[-1] <= 2e-2, f"{preset}/{backend}: {errors[-1]:.4f} (HF bf16 floor {floors[-1]:.4f})"
+    def check(got: torch.Tensor, refs: list[torch.Tensor], floor_rows: list[torch.Tensor], what: str) -> None:
+        ref = torch.cat(refs)
+        steps.append(rel_l2(got, ref))
+        floors.append(rel_l2(torch.cat(floor_rows), ref))
+        positions.extend(rel_l2(g, r) for g, r in zip(got, ref))
+        assert steps[-1] <= 2e-2, f"{preset}/{backend} {what}: {steps[-1]:.4f} (HF bf16 {floors[-1]:.4f})"
 
-    offset, seqs, last = 0, [], []
-    for p in prompts:
-        got = logits[offset:offset + len(p)]
-        check(got, p, slice(None))
-        seqs.append(list(p))
-        last.append(got[-1])
-        offset += len(p)
-    for _ in range(16):
+    seqs = [list(p) for p in prompts]
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()
+    check(logits, [hf_logits(hf32, p) for p in prompts], [hf_logits(hf16, p) for p in prompts], "prompt")
+    last = [logits[e - 1] for e in ends]
+    for step in range(16):
         for r, s, lg in zip(reqs, seqs, last):
             s.append(int(lg.argmax()))
             r.output_ids.append(s[-1])
-        last = list(ours.step(reqs, [1] * len(reqs), is_prefill=False))
-        for s, got in zip(seqs, last):
-            check(got, s, -1)
-    print(f"{preset}/{backend}: rel L2 vs HF fp32 mean {sum(errors) / len(errors):.4f} max {max(errors):.4f}; "
-          f"HF bf16 floor mean {sum(floors) / len(floors):.4f} max {max(floors):.4f}; worst max-abs {worst_max:.4f}")
+        got = ours.step(reqs, [1] * len(reqs), is_prefill=False)
+        check(got, [hf_logits(hf32, s)[-1:] for s in seqs], [hf_logits(hf16, s)[-1:] for s in seqs],
+              f"decode step {step}")
+        last = list(got)
+    print(f"{preset}/{backend}: step rel L2 vs HF fp32 max {max(steps):.4f} (HF bf16 {max(floors):.4f}); "
+          f"per position mean {sum(positions) / len(positions):.4f} max {max(positions):.4f}")
 
     engine = Engine(load_config(None, [f"model.path={path}", "model.dtype=bfloat16",
                                        f"attention.backend={backend}", "cache.num_pages=512"]))

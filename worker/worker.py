@@ -88,6 +88,7 @@ class Worker:
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
         self._tc_step: CompiledPrefillStep | None = None
+        self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
 
     @classmethod
     def local(cls, config: Config, registry: CollectorRegistry | None = None) -> Worker:
@@ -114,11 +115,19 @@ class Worker:
         shape = KVCacheShape(self.arch.num_layers, 1, cache.page_size,
                              self.model.attention_shape.num_kv_heads, self.arch.head_dim)
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = total * (1 - cache.gpu_memory_fraction) + self._activation_bytes() + (self.graph_budget or 0)
-        pages = int((free - reserve) // shape.bytes_per_page(self.dtype))
+        # The fraction is this worker's share of the device (as vLLM's gpu_memory_utilization), so
+        # workers sharing a GPU each take their own share; what it already holds (weights) counts
+        # against it, and what the device has left caps it.
+        headroom = self._activation_bytes() + (self.graph_budget or 0)
+        share = total * cache.gpu_memory_fraction - torch.cuda.memory_reserved(self.device) - headroom
+        room = free - headroom
+        pages = int(min(share, room) // shape.bytes_per_page(self.dtype))
         if pages < 2:
-            raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free); "
-                               "lower scheduler.max_num_batched_tokens or raise cache.gpu_memory_fraction")
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: this worker's share (cache.gpu_memory_fraction="
+                f"{cache.gpu_memory_fraction}) leaves {share / 2**30:.1f} GiB and the device {room / 2**30:.1f} GiB "
+                f"after {headroom / 2**30:.1f} GiB of activations and graphs; lower "
+                "scheduler.max_num_batched_tokens or raise cache.gpu_memory_fraction")
         return pages
 
     def _activation_bytes(self) -> int:
@@ -225,8 +234,11 @@ class Worker:
         p = self.config.graphs.prefill
         if p.token_buckets and not widen:
             return list(p.token_buckets)
-        if widen:
-            return sorted(set(range(64, self.prefill_ceiling, 64)) | {self.prefill_ceiling})
+        if widen:  # planner candidates: about 1.5-6% apart, finer where prefills are short
+            ceiling = self.prefill_ceiling
+            steps = [*range(16, min(1024, ceiling), 16), *range(1024, min(4096, ceiling), 64),
+                     *range(4096, ceiling, 256)]
+            return sorted(set(steps) | {ceiling})
         return default_prefill_ladder(self.prefill_ceiling)
 
     def _graph_backend_name(self, phase: str) -> tuple[str | None, str]:
