@@ -1,12 +1,14 @@
 """Profile-guided ladders against the default ladders at equal graph memory (GPU).
 
+Each ladder runs in its own process (its own graph pool, so pool growth is its graph memory).
+
 1. Replay the skewed synthetic trace (``worker.traces.skewed_trace``, fixed seed) through an
    engine with the default ladders; record its batch-shape profile.
 2. Start a second engine with ``graphs.profile`` set and no explicit budget: the planner
    reshapes both ladders within the memory the default ladders take.
-3. Replay the same trace through both (after a warm-up pass of it); report padded tokens (prefill) and padded rows (decode)
-   under each ladder from the recorded histograms, graph memory, and the total step time
-   measured in the same run (sum of engine step durations).
+3. Replay the same trace through both (after a warm-up pass of it); report padded tokens
+   (prefill) and padded rows (decode) under each ladder from the recorded histograms, graph
+   memory, and the total step time measured in the same run (sum of engine step durations).
 """
 
 from __future__ import annotations

@@ -42,26 +42,32 @@ class EventSink:
 
     async def aget(self, timeout: float):
         """The next item, awaited; raises ``queue.Empty`` after ``timeout`` seconds."""
-        try:
-            return self._items.get_nowait()
-        except queue.Empty:
-            pass
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         with self._lock:
             if self._waiter is None or self._waiter[0] is not loop:
                 self._waiter = (loop, asyncio.Event())
             ready = self._waiter[1]
-        ready.clear()
-        # Cleared before this second look: an item put after it sets ``ready`` again (no lost wake-up).
-        try:
-            return self._items.get_nowait()
-        except queue.Empty:
-            pass
-        try:
-            await asyncio.wait_for(ready.wait(), timeout)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            pass
-        return self._items.get_nowait()
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                pass
+            ready.clear()
+            # Cleared before this second look: an item put after it sets ``ready`` again (no lost
+            # wake-up). A set from an earlier put whose item was already taken wakes us for nothing:
+            # hence the loop.
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                pass
+            left = deadline - loop.time()
+            if left <= 0:
+                raise queue.Empty
+            try:
+                await asyncio.wait_for(ready.wait(), left)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                pass
 
 
 @dataclass(eq=False)
