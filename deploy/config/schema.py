@@ -114,7 +114,8 @@ class CacheConfig(Section):
 
     page_size: tokens per page (a power of two).
     num_pages: total pages including the reserved dummy page 0; None = sized automatically.
-    gpu_memory_fraction: fraction of GPU memory the worker may use (weights + cache + graphs), in (0, 1].
+    gpu_memory_fraction: the share of its GPU this worker may use (weights + cache + graphs), in (0, 1];
+        workers sharing a GPU each take their own share (as vLLM's gpu_memory_utilization).
     cpu_num_pages: pages allocated on CPU when num_pages is None.
     """
 
