@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import decode_step_seconds, environment, print_table, write_results  # noqa: E402
+from bench.common import decode_step_breakdown, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from cluster.group import WorkerGroup  # noqa: E402
 from deploy.config import load_config  # noqa: E402
@@ -42,7 +42,7 @@ def main() -> None:
                  f"cache.num_pages={max(batches) * (args.context // 16 + 16) + 64}"]
     cfg = load_config(None, overrides)
     local = Engine(cfg)
-    local_times = {b: decode_step_seconds(local, b, args.context, args.repeats) for b in batches}
+    local_times = {b: decode_step_breakdown(local, b, args.context, args.repeats) for b in batches}
     local.shutdown()
     del local
     if cuda:
@@ -53,13 +53,21 @@ def main() -> None:
         group_cfg = load_config(None, [*overrides, f"cluster.compiled_graph={str(compiled).lower()}"])
         group = WorkerGroup(group_cfg)
         remote = Engine(group_cfg, executor=group)
-        actor_times[compiled] = {b: decode_step_seconds(remote, b, args.context, args.repeats) for b in batches}
+        actor_times[compiled] = {b: decode_step_breakdown(remote, b, args.context, args.repeats) for b in batches}
         group.shutdown()
     ray.shutdown()
-    rows = [{"preset": args.preset, "batch": b, "in_process_ms": local_times[b] * 1e3,
-             "compiled_graph_ms": actor_times[True][b] * 1e3, "ray_tasks_ms": actor_times[False][b] * 1e3,
-             "compiled_over_in_process": actor_times[True][b] / local_times[b],
-             "tasks_over_in_process": actor_times[False][b] / local_times[b]} for b in batches]
+    rows = []
+    for b in batches:
+        loc, cg, tasks = local_times[b], actor_times[True][b], actor_times[False][b]
+        rows.append({
+            "preset": args.preset, "batch": b, "in_process_ms": loc["step_s"] * 1e3,
+            "compiled_graph_ms": cg["step_s"] * 1e3, "ray_tasks_ms": tasks["step_s"] * 1e3,
+            "compiled_over_in_process": cg["step_s"] / loc["step_s"],
+            "tasks_over_in_process": tasks["step_s"] / loc["step_s"],
+            # where the difference goes: the rank's own execute, and the hop around it
+            "rank_in_process_ms": loc["rank_s"] * 1e3, "rank_compiled_ms": cg["rank_s"] * 1e3,
+            "hop_compiled_ms": (cg["execute_s"] - cg["rank_s"]) * 1e3,
+            "hop_tasks_ms": (tasks["execute_s"] - tasks["rank_s"]) * 1e3})
     print_table(rows, list(rows[0]))
     print(f"wrote {write_results('actor_overhead', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 

@@ -89,9 +89,11 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[
     return out
 
 
-def decode_step_seconds(engine, batch: int, context: int, repeats: int) -> float:
+def decode_step_breakdown(engine, batch: int, context: int, repeats: int) -> dict[str, float]:
     """Median seconds of an engine step decoding ``batch`` requests of ``context`` random prompt
-    tokens (after their prefill); the requests are aborted and released afterwards."""
+    tokens (after their prefill), and of its parts from the engine's step stats: ``execute_s`` (the
+    executor call) and ``rank_s`` (the rank's own Worker.execute; ``execute_s - rank_s`` is the hop
+    to the rank). The requests are aborted and released afterwards."""
     from worker.sampling.params import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
@@ -101,10 +103,17 @@ def decode_step_seconds(engine, batch: int, context: int, repeats: int) -> float
     while any(engine.requests[i].prefilling for i in ids):
         engine.step()
     step = statistics.median(wall_times(engine.step, repeats=repeats, warmup=5))
+    timed = list(engine.step_stats)[-repeats:]
     for i in ids:
         engine.abort(i)
         engine.release(i)
-    return step
+    return {"step_s": step, "execute_s": statistics.median(s.execute_s for s in timed),
+            "rank_s": statistics.median(s.rank_s for s in timed)}
+
+
+def decode_step_seconds(engine, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of an engine step decoding ``batch`` requests (see :func:`decode_step_breakdown`)."""
+    return decode_step_breakdown(engine, batch, context, repeats)["step_s"]
 
 
 def write_results(name: str, payload: dict) -> Path:

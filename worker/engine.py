@@ -40,7 +40,9 @@ class StepStats:
     phase: str
     batch_size: int
     num_tokens: int
-    duration_s: float
+    duration_s: float  # the whole step: build the message, execute, read the tokens back, events
+    execute_s: float = 0.0  # the executor's execute call as the engine saw it
+    rank_s: float = 0.0  # of which the rank's own Worker.execute (the rest is the hop to the rank)
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,7 @@ class Engine:
             return []
         start = time.perf_counter()
         msg = build_step_message(batch, [r.seed for r, s in zip(batch.requests, batch.sample) if s])
+        executed = time.perf_counter()
         try:
             result = self.executor.execute(msg)
         except ExecutorFailed as e:
@@ -257,6 +260,7 @@ class Engine:
         except ExecutorUnavailable as e:
             log.error("no executor (%s); ending %d requests with an error", e, len(self.requests))
             return self._fail_all(str(e))
+        execute_s = time.perf_counter() - executed
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
         events: list[RequestEvent] = []
@@ -267,7 +271,7 @@ class Engine:
             for req, tok, lp in zip(sampled, tokens, logprobs):
                 events.append(self._append_token(req, tok, lp))
         self.step_stats.append(StepStats("prefill" if batch.is_prefill else "decode", batch.size,
-                                         batch.num_tokens, time.perf_counter() - start))
+                                         batch.num_tokens, time.perf_counter() - start, execute_s, result.rank_s))
         return events
 
     def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestEvent:

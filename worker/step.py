@@ -46,6 +46,7 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     logits: object = None  # (sampled rows, vocab) float32 CPU tensor when return_logits
+    rank_s: float = 0.0  # seconds the (first) rank spent in Worker.execute, timed on that rank
 
 
 def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool = False) -> StepMessage:

@@ -10,6 +10,7 @@ stages for a single process.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -306,12 +307,14 @@ class Worker:
 
     def execute(self, msg: StepMessage) -> StepResult:
         """Run one step and read its tokens back (the step's one host synchronisation)."""
+        start = time.perf_counter()
         out, logits = self.runner.execute(msg)
         if out is None:
-            return StepResult()
+            return StepResult(rank_s=time.perf_counter() - start)
         result = StepResult(out.token_ids.tolist(), out.logprobs.tolist() if out.logprobs is not None else None)
         if msg.return_logits:
             result.logits = logits.float().cpu()
+        result.rank_s = time.perf_counter() - start
         return result
 
     def shutdown(self) -> None:
