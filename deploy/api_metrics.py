@@ -14,6 +14,7 @@ Streams observe them as the events are sent; non-streamed requests when their re
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 
@@ -29,7 +30,7 @@ class ApiMetrics:
     """``prompt_tokens``, ``generation_tokens``, ``request_success{finish_reason}``,
     ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
     ``num_requests_running`` / ``num_requests_waiting``, ``kv_cache_usage_ratio{group,role}`` and
-    ``graphfleet_api_rejected{reason}``."""
+    ``graphfleet_api_rejected{reason}`` and ``graphfleet_gil_switch_interval_seconds``."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = reg = CollectorRegistry()
@@ -51,6 +52,9 @@ class ApiMetrics:
                               "(1 - free/usable; 1 = full)", [*label, "group", "role"], registry=reg)
         self._rejected = Counter("graphfleet_api_rejected", "Requests refused before queueing",
                                  [*label, "reason"], registry=reg)
+        self.gil_switch = Gauge("graphfleet_gil_switch_interval_seconds", "The serving process's "
+                                "sys.getswitchinterval() (serve.gil_switch_interval_ms)", registry=reg)
+        self.gil_switch.set_function(sys.getswitchinterval)
 
     @property
     def rejected(self):

@@ -9,6 +9,7 @@ answers 503 until the fleet is up.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,9 @@ class OpenAIIngress:
         from worker.tokenizer import Tokenizer
 
         self.config = Config.from_dict(config)
+        if self.config.serve.gil_switch_interval_ms is not None:
+            sys.setswitchinterval(self.config.serve.gil_switch_interval_ms / 1e3)
+            log.info("GIL switch interval %.3f ms", sys.getswitchinterval() * 1e3)
         model_dir = Path(self.config.model.path)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.fleet = StartingFleet(self.config, dict(fleet_options or {}))

@@ -139,6 +139,7 @@ def test_wrong_type(override, expected):
         ("cache.page_size=12", "cache.page_size: must be a power of two >= 1, got 12"),
         ("cache.num_pages=1", "cache.num_pages: must be >= 2, got 1"),
         ("cache.gpu_memory_fraction=1.5", "cache.gpu_memory_fraction: must be in (0, 1], got 1.5"),
+        ("serve.gil_switch_interval_ms=0", "serve.gil_switch_interval_ms: must be in (0, 1000] or null, got 0"),
         ("cache.gpu_memory_fraction=.nan", "cache.gpu_memory_fraction: must be in (0, 1], got nan"),
         ("serve.port=70000", "serve.port: must be in 1..65535, got 70000"),
         ("model.max_model_len=0", "model.max_model_len: must be >= 1, got 0"),

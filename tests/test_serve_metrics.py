@@ -46,8 +46,8 @@ def path(checkpoint_dir):
 @pytest.fixture(scope="module")
 def server(serve_url, path):
     """Base URL of an open app over a disaggregated fleet ``met`` (groups ``met-p0``, ``met-d0``)."""
-    app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
-                       "fleet": {"name": "met", "mode": "disaggregated"}})
+    app = app_builder({"model": str(path), "overrides": [*OVERRIDES, "serve.gil_switch_interval_ms=2"],
+                       "model_name": "tiny", "fleet": {"name": "met", "mode": "disaggregated"}})
     serve.run(app, name="metrics", route_prefix="/", blocking=False)
     wait_healthy(serve_url)
     yield serve_url
@@ -119,6 +119,10 @@ def test_metrics_count_the_requests_sent(server, client):
     assert delta("cuda_graph_passes_total", phase="prefill", role="prefill") >= n
     for labels, _ in after["kv_cache_usage_ratio"]:
         assert GROUPS[labels["group"]] == labels["role"] and labels["model_name"] == "tiny"
+
+
+def test_gil_switch_interval_is_set_in_the_replica(server):
+    assert total(scrape(server), "graphfleet_gil_switch_interval_seconds") == pytest.approx(0.002)
 
 
 def test_kv_usage_while_a_request_runs(server, client):

@@ -345,6 +345,9 @@ class ServeConfig(Section):
     api_key: required bearer token; None = no authentication.
     model_name: model name reported by the API; None = the checkpoint directory name.
     request_timeout_s: default deadline of a request from submission; None = no deadline.
+    gil_switch_interval_ms: the Serve replica's ``sys.setswitchinterval`` in milliseconds; None =
+        Python's default (5 ms). The fleet loop thread shares the replica's GIL with the HTTP event
+        loop: after each step's wait it may queue for the GIL up to this long while streams are busy.
     """
 
     host: str = "127.0.0.1"
@@ -352,6 +355,7 @@ class ServeConfig(Section):
     api_key: str | None = None
     model_name: str | None = None
     request_timeout_s: float | None = None
+    gil_switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "must not be empty")
@@ -359,6 +363,8 @@ class ServeConfig(Section):
         _check(self.api_key != "", "api_key", "must not be empty (use null to disable authentication)")
         t = self.request_timeout_s
         _check(t is None or t > 0, "request_timeout_s", f"must be > 0 or null, got {t!r}")
+        g = self.gil_switch_interval_ms
+        _check(g is None or 0 < g <= 1000, "gil_switch_interval_ms", f"must be in (0, 1000] or null, got {g!r}")
 
 
 @dataclass(frozen=True)
