@@ -36,6 +36,7 @@ from graphs.planner import (
     plan_prefill_ladder,
 )
 from graphs.prefill import PrefillGraphRunner
+from graphs.process import release_warm_up_memory
 from graphs.profile import BatchProfile, MemoryModel, StepCosts
 from graphs.runner import GraphRunner
 
@@ -184,6 +185,9 @@ def capture_within_budget(decode: DecodeGraphRunner | None, prefill: PrefillGrap
         else:
             runner.ladder = [runner.ladder[-1]]  # nothing captured: every pass reports not_captured
     report.resident_bytes = _resident(runners)
+    cuda = [r.backend.device for r in runners if r.backend.device.type == "cuda"]
+    if cuda:
+        release_warm_up_memory(cuda[0])
     log.info(report.line())
     for note in report.notes:
         log.info("graph plan: %s", note)

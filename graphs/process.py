@@ -72,6 +72,19 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
         return _streams[idx]
 
 
+def release_warm_up_memory(device: torch.device | int | None = None) -> None:
+    """Give the caching allocator's free blocks back to the driver at the end of a capture pass.
+
+    Each shape's warm-up runs eagerly on the capture stream and allocates from the regular
+    allocator (only captures allocate from the pool). Blocks cached for that stream serve no
+    later allocation (steps run on the compute stream, captures draw on the pool), so without
+    this they stay reserved beside the graph pool: about one activation peak of the largest
+    warm-up. Blocks of a live graph pool are never free to the allocator and are kept.
+    """
+    torch.cuda.synchronize(_index(device))
+    torch.cuda.empty_cache()
+
+
 def release_process_graphs() -> None:
     """Forget the pool handles and streams; call only after every graph has been released."""
     with _lock:

@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 from graphs.backends import CapturedShape, CaptureError, GraphBackend
 from graphs.buckets import BucketChoice, choose_bucket, validate_ladder
 from graphs.metrics import GraphMetrics
+from graphs.process import release_warm_up_memory
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class GraphRunner(ABC, Generic[Batch, Output]):
                                    f"(graphs.capture_timeout_s) at shape {size}")
             self.capture_one(size)
             bar(size)
+        if self.backend.device.type == "cuda":
+            release_warm_up_memory(self.backend.device)
         summary = CaptureSummary(self.phase, self.backend.name, len(self.backend.shapes), len(self.failed),
                                  time.perf_counter() - start, self.backend.resident_bytes)
         if self.metrics is not None:

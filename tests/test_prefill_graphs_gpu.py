@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from graphs.backends import create_backend
 from graphs.metrics import GraphMetrics
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
+from graphs.process import capture_stream, pool_bytes
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -117,6 +118,35 @@ def test_sentinels_write_no_kv_outside_live_pages(backend, attention, checkpoint
         torch.cuda.synchronize()
         untouched = [p for p in range(1, own.cache.num_pages) if p not in batch.pages]
         assert torch.equal(own.cache.kv[:, untouched], before[:, untouched])
+    runner.release()
+
+
+def test_capture_gives_back_the_warm_up_memory(checkpoint_dir):
+    """A warm-up caches its activations on the capture stream outside the graph pool; after
+    capture_all, what stays reserved beyond the start is the pool's growth, not that cache."""
+    own = _own(checkpoint_dir, "flashinfer")
+    runner = PrefillGraphRunner(_step(own, "breakable"), create_backend("breakable", CUDA),
+                                default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
+    stream = capture_stream(CUDA)
+
+    def settle() -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    start = settle()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # what one warm-up of the largest shape leaves cached
+        runner.capture_callable(max(runner.ladder))()
+    torch.cuda.synchronize()
+    warm_up = torch.cuda.memory_reserved() - start
+    assert warm_up > 0
+    start = settle()
+    pool_start = pool_bytes(runner.backend.pool)
+    runner.capture_all(progress=False)
+    assert not runner.failed, runner.failed
+    left = torch.cuda.memory_reserved() - start - (pool_bytes(runner.backend.pool) - pool_start)
+    assert left < warm_up / 2, f"{left / 2**20:.1f} MiB outside the pool after capture (warm-up {warm_up / 2**20:.1f})"
     runner.release()
 
 
