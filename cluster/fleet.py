@@ -29,7 +29,7 @@ from cluster.fleet_config import FleetConfig
 from cluster.fleet_group import FleetWorkerGroup
 from cluster.fleet_loop import FleetLoop, GroupSlot
 from cluster.fleet_metrics import gather_rank_metrics
-from cluster.fleet_request import FleetRequest
+from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
 from cluster.rank import GroupState, GroupUnavailable
 from cluster.router import Overloaded, Router
@@ -298,7 +298,7 @@ class Fleet:
             self.router.gate.acquire()
             seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             self._live.add(rid)
-        request = FleetRequest(rid, ids, params, seed, timeout_s)
+        request = FleetRequest(rid, ids, params, seed, timeout_s, sink=EventSink(self._loop.wakeups))
         self._loop.commands.put(("submit", request))
         return RequestHandle(self, request)
 

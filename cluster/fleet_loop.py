@@ -25,7 +25,7 @@ import threading
 import time
 
 from cluster.fleet_config import FleetConfig
-from cluster.fleet_request import FleetRequest
+from cluster.fleet_request import FleetRequest, Wakeups
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from cluster.router import GroupLoad, Router
@@ -95,6 +95,7 @@ class FleetLoop:
         self.failed = 0
         self.health: dict = {}
         self.health_lock = threading.Lock()
+        self.wakeups = Wakeups()  # the sinks of requests submitted to this loop defer their wake-ups here
 
     # ----- the loop -----
 
@@ -114,14 +115,16 @@ class FleetLoop:
                 self._end(fr, "error", reason)
 
     def run_once(self) -> bool:
-        """One iteration; returns whether any engine stepped."""
+        """One iteration; returns whether any engine stepped. Readers are woken once per group
+        step and at the end of the iteration (``wakeups``), not once per event."""
         now = time.monotonic()
-        self._drain()
-        self._watch_groups(now)
-        self._expire(now)
-        self._dispatch_prefill()
-        self._dispatch_handoffs()
-        stepped = self._step_all()
+        with self.wakeups.deferred():
+            self._drain()
+            self._watch_groups(now)
+            self._expire(now)
+            self._dispatch_prefill()
+            self._dispatch_handoffs()
+            stepped = self._step_all()
         self._publish(now)
         return stepped
 
@@ -310,6 +313,7 @@ class FleetLoop:
             stepped = stepped or bool(events) or len(slot.engine.step_stats) != before
             for ev in events:
                 self._on_event(slot, ev)
+            self.wakeups.flush()  # this group's tokens go out before the next group steps
         return stepped
 
     def _on_event(self, slot: GroupSlot, ev: RequestEvent) -> None:

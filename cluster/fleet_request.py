@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -12,18 +13,72 @@ from worker.engine import RequestEvent, RequestOutput
 from worker.sampling.params import SamplingParams
 
 
+def _wake(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the reader's loop is closed: nobody is waiting any more
+        pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for ready in events:
+        ready.set()
+
+
+class Wakeups:
+    """Batches the wake-ups of asyncio readers that the sinks' producer sends.
+
+    Outside :meth:`deferred` a put wakes its reader's loop at once (one ``call_soon_threadsafe``
+    each). Inside it, wake-ups wait for :meth:`flush` (or the end of the block), which wakes each
+    reader loop once for all of them: a step that delivers 64 streams' tokens costs one cross-thread
+    call, not 64 (each of which hands the GIL to the reader loop mid-delivery). Used by one thread
+    only: the fleet loop, the sinks' only producer.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] | None = None
+
+    @contextlib.contextmanager
+    def deferred(self):
+        if self._pending is not None:  # nested: the outer block flushes
+            yield
+            return
+        self._pending = {}
+        try:
+            yield
+        finally:
+            self.flush()
+            self._pending = None
+
+    def flush(self) -> None:
+        """Wake every reader loop with pending wake-ups (no-op outside :meth:`deferred`)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for loop, events in pending.items():
+            _wake(loop, _set_all, events)
+
+    def wake(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
+        if self._pending is None:
+            _wake(loop, ready.set)
+        else:
+            self._pending.setdefault(loop, []).append(ready)
+
+
 class EventSink:
     """Where the fleet's loop thread delivers one request's events and output, in order.
 
     Readers either block on :meth:`get` (a thread) or await :meth:`aget` (an asyncio loop: no
     thread is held while the request runs, so a server with many open streams does not run out
-    of executor threads). Each ``put`` wakes the loop an asynchronous reader waits in.
+    of executor threads). Each ``put`` wakes the loop an asynchronous reader waits in, at once or,
+    with the producer's ``wakeups`` deferring, at its next flush.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wakeups: Wakeups | None = None) -> None:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._wakeups = wakeups
 
     def put(self, item) -> None:
         self._items.put(item)
@@ -31,10 +86,10 @@ class EventSink:
             waiter = self._waiter
         if waiter is not None:
             loop, ready = waiter
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the reader's loop is closed: nobody is waiting any more
-                pass
+            if self._wakeups is not None:
+                self._wakeups.wake(loop, ready)
+            else:
+                _wake(loop, ready.set)
 
     def get(self, timeout: float | None = None):
         """The next item; raises ``queue.Empty`` after ``timeout`` seconds."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.fleet_request import EventSink
+from cluster.fleet_request import EventSink, Wakeups
 
 
 def _produce(sink: EventSink, n: int, pause_every: int) -> threading.Thread:
@@ -81,3 +81,34 @@ def test_blocking_reader_and_put_after_the_async_readers_loop_closed():
     assert sink.get(timeout=1.0) == 2
     with pytest.raises(queue.Empty):
         sink.get(timeout=0.05)
+
+
+def _delay_to_reader(hold_s: float, use_flush: bool) -> float:
+    """Seconds from a put made inside ``Wakeups.deferred()`` until the reader has it, when the
+    producer holds the block open ``hold_s`` (flushing right after the put if ``use_flush``)."""
+    wakeups = Wakeups()
+    sink = EventSink(wakeups)
+    sent: list[float] = []
+
+    def produce() -> None:
+        with wakeups.deferred():
+            with wakeups.deferred():  # nested: only the outer block flushes
+                sent.append(time.monotonic())
+                sink.put("event")
+                if use_flush:
+                    wakeups.flush()
+            time.sleep(hold_s)
+
+    async def read() -> float:
+        reader = asyncio.create_task(sink.aget(timeout=5.0))
+        await asyncio.sleep(0.05)  # the reader is waiting before the put
+        threading.Thread(target=produce, daemon=True).start()
+        assert await reader == "event"
+        return time.monotonic() - sent[0]
+
+    return asyncio.run(read())
+
+
+def test_deferred_wakeups_reach_readers_at_the_flush():
+    assert _delay_to_reader(0.3, use_flush=False) >= 0.25  # woken when the outer block ends
+    assert _delay_to_reader(0.3, use_flush=True) < 0.2  # flush() wakes at once
