@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import random
 import threading
 import time
@@ -32,6 +31,7 @@ from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
 from cluster.rank import GroupState, GroupUnavailable
+from cluster.request_handle import FleetClosed, RequestHandle
 from cluster.router import Overloaded, Router
 from deploy.config import Config
 from worker.engine import Engine, RequestEvent, RequestOutput
@@ -42,116 +42,6 @@ from worker.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 __all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
-
-_POLL_S = 0.5
-
-
-class FleetClosed(RuntimeError):
-    """The fleet is shut down (or its loop stopped): no request can be submitted or awaited."""
-
-
-class RequestHandle:
-    """A submitted request: its events as they come, its output when done, and abort."""
-
-    def __init__(self, fleet: Fleet, request: FleetRequest) -> None:
-        self.request_id = request.request_id
-        self._fleet, self._sink, self._timeout_s = fleet, request.sink, request.timeout_s
-        self._submitted = request.submitted
-        self._token_times = request.token_times
-        self._output: RequestOutput | None = None
-        self._finished = False
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
-
-    @property
-    def token_times(self) -> list[float]:
-        """``time.monotonic()`` at which the fleet delivered each event carrying tokens, in order.
-
-        Entry ``k`` is there once the ``k``-th such event can be read from :meth:`events`; after
-        :meth:`result`, every entry is. The first is the first token's time (TTFT), the gaps
-        between them the inter-token latencies.
-        """
-        return self._token_times
-
-    def _deadline(self, wait_s: float | None) -> float | None:
-        if wait_s is not None:
-            return time.monotonic() + wait_s
-        if self._timeout_s is not None:
-            return self._submitted + self._timeout_s + 30.0  # the loop ends it at its deadline
-        return None
-
-    def _wait_left(self, end: float | None, wait_s: float | None) -> float:
-        """Seconds of the next poll; raises when the wait is over or the fleet has stopped."""
-        left = _POLL_S if end is None else min(_POLL_S, end - time.monotonic())
-        if left <= 0:
-            raise TimeoutError(f"request {self.request_id}: no event within {wait_s}s")
-        return left
-
-    def _closed(self) -> FleetClosed | None:
-        if self._fleet._loop_alive():
-            return None
-        return FleetClosed(f"request {self.request_id}: the fleet stopped ({self._fleet._stopped_why()})")
-
-    def _next(self, wait_s: float | None) -> RequestEvent | RequestOutput:
-        """The next item from the loop; waits at most ``wait_s`` (None: until the request's deadline)."""
-        end = self._deadline(wait_s)
-        while True:
-            try:
-                return self._sink.get(timeout=self._wait_left(end, wait_s))
-            except queue.Empty:
-                if (closed := self._closed()) is not None:
-                    raise closed from None
-
-    async def _anext(self, wait_s: float | None) -> RequestEvent | RequestOutput:
-        """:meth:`_next` for asyncio: awaits on the caller's loop without holding a thread."""
-        end = self._deadline(wait_s)
-        while True:
-            try:
-                return await self._sink.aget(timeout=self._wait_left(end, wait_s))
-            except queue.Empty:
-                if (closed := self._closed()) is not None:
-                    raise closed from None
-
-    def _take(self, item: RequestEvent | RequestOutput) -> RequestEvent | None:
-        """Record ``item``; the event to hand out, or None for the final output."""
-        if isinstance(item, RequestOutput):
-            self._output = item
-            return None
-        if item.finished:
-            self._finished = True
-        return item
-
-    def events(self, wait_s: float | None = None) -> Iterator[RequestEvent]:
-        """Yield this request's events until the final one; ``wait_s`` bounds each wait (TimeoutError)."""
-        while not self._finished:
-            event = self._take(self._next(wait_s))
-            if event is not None:
-                yield event
-
-    async def aevents(self, wait_s: float | None = None) -> AsyncIterator[RequestEvent]:
-        """:meth:`events` for asyncio (no thread is held while waiting)."""
-        while not self._finished:
-            event = self._take(await self._anext(wait_s))
-            if event is not None:
-                yield event
-
-    def result(self, wait_s: float | None = None) -> RequestOutput:
-        """Wait for the request to end; ``wait_s`` bounds each wait between events (TimeoutError)."""
-        while self._output is None:
-            self._take(self._next(wait_s))
-        return self._output
-
-    async def aresult(self, wait_s: float | None = None) -> RequestOutput:
-        """:meth:`result` for asyncio (no thread is held while waiting)."""
-        while self._output is None:
-            self._take(await self._anext(wait_s))
-        return self._output
-
-    def abort(self) -> bool:
-        return self._fleet.abort(self.request_id)
-
 
 class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""

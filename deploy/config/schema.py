@@ -114,8 +114,7 @@ class CacheConfig(Section):
 
     page_size: tokens per page (a power of two).
     num_pages: total pages including the reserved dummy page 0; None = sized automatically.
-    gpu_memory_fraction: the share of its GPU this worker may use (weights + cache + graphs), in (0, 1];
-        workers sharing a GPU each take their own share (as vLLM's gpu_memory_utilization).
+    gpu_memory_fraction: this worker's own share of its GPU (weights + cache + graphs), in (0, 1].
     cpu_num_pages: pages allocated on CPU when num_pages is None.
     """
 
@@ -345,9 +344,8 @@ class ServeConfig(Section):
     api_key: required bearer token; None = no authentication.
     model_name: model name reported by the API; None = the checkpoint directory name.
     request_timeout_s: default deadline of a request from submission; None = no deadline.
-    gil_switch_interval_ms: the Serve replica's ``sys.setswitchinterval`` in milliseconds; None =
-        Python's default (5 ms). The fleet loop thread shares the replica's GIL with the HTTP event
-        loop: after each step's wait it may queue for the GIL up to this long while streams are busy.
+    gil_switch_interval_ms: the Serve replica's ``sys.setswitchinterval`` in ms; None = Python's 5 ms
+        (the fleet loop thread may wait this long for the GIL behind the replica's HTTP loop).
     """
 
     host: str = "127.0.0.1"
