@@ -78,18 +78,14 @@ class EventSink:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self._wakeups = wakeups
+        self._wakeups = wakeups if wakeups is not None else Wakeups()  # its own: never deferring
 
     def put(self, item) -> None:
         self._items.put(item)
         with self._lock:
             waiter = self._waiter
         if waiter is not None:
-            loop, ready = waiter
-            if self._wakeups is not None:
-                self._wakeups.wake(loop, ready)
-            else:
-                _wake(loop, ready.set)
+            self._wakeups.wake(*waiter)
 
     def get(self, timeout: float | None = None):
         """The next item; raises ``queue.Empty`` after ``timeout`` seconds."""

@@ -235,7 +235,7 @@ class Worker:
         p = self.config.graphs.prefill
         if p.token_buckets and not widen:
             return list(p.token_buckets)
-        if widen:  # planner candidates: about 1.5-6% apart, finer where prefills are short
+        if widen:  # planner candidates: 16 tokens apart below 1024, 64 below 4096, 256 above
             ceiling = self.prefill_ceiling
             steps = [*range(16, min(1024, ceiling), 16), *range(1024, min(4096, ceiling), 64),
                      *range(4096, ceiling, 256)]
