@@ -121,6 +121,24 @@ def test_killed_rank_fails_group_restarts_and_requests_complete(ray_local, check
         group.shutdown()
 
 
+def _wait_until_frozen(actor, within_s: float = 30.0) -> None:
+    """Return once the stopped actor no longer answers a ping.
+
+    Some sandboxes apply a group stop only when a thread next enters the kernel, so a rank
+    spinning on its compiled-graph channel may still finish one more step after ``kill`` returns.
+    """
+    from ray.exceptions import GetTimeoutError
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=1.0)
+        except GetTimeoutError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the SIGSTOPped rank still answered pings after {within_s}s")
+
+
 @pytest.mark.timeout(300)
 def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpoint_dir):
     """A rank frozen mid-generation (SIGSTOP: alive, silent): the compiled-graph step times out
@@ -140,8 +158,10 @@ def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpo
     try:
         ids = [engine.add_request(p, params) for p in prompts]
         engine.step()
-        pid = ray.get(group.rank_actors()[0].__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
+        rank = group.rank_actors()[0]
+        pid = ray.get(rank.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
         os.kill(pid, signal.SIGSTOP)
+        _wait_until_frozen(rank)
         started = time.monotonic()
         assert engine.step() == []  # timed out: requests re-queued
         assert time.monotonic() - started < 3 + 5 + 20, "failing the stuck group took too long"
