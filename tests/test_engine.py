@@ -181,3 +181,23 @@ def test_step_stats_recorded(checkpoint_dir):
     assert phases[0] == ("prefill", 2, 23)
     assert phases[1:] == [("decode", 2, 2)] * 3
     assert all(s.duration_s > 0 for s in engine.step_stats)
+
+
+def test_step_message_wire_form_round_trips():
+    """A StepMessage pickles (as Ray's cloudpickle does) to an equal message; rows that shared one
+    SamplingParams object share one after unpickling, and validated fields are kept as they were."""
+    import pickle
+
+    from ray import cloudpickle
+
+    from worker.step import StepMessage
+
+    shared = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, stop=["a", "bc"], stop_token_ids=[3])
+    own = SamplingParams(max_tokens=4, seed=2**64 - 1, logprobs=True)
+    msg = StepMessage(False, [5, 6, 7], [10, 3, 8], [11, 4, 9], [1, 1, 1], [[0, 1], [2], [3, 4]], [0, 1, 2],
+                      [shared, own, shared], [1, 2**64 - 1, 3], [0, 1, 2], return_logits=True)
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        back = pickle.loads(dumps(msg, protocol=5))
+        assert back == msg
+        assert back.params[0] is back.params[2] and back.params[0] is not back.params[1]
+        assert back.params[0].stop == ("a", "bc") and hash(back.params[1]) == hash(own)

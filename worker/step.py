@@ -7,7 +7,8 @@ tensor-parallel rank through Ray's object store, and independent of the schedule
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from worker.attention.base import AttentionBatch
 from worker.sampling.params import SamplingParams
@@ -34,9 +35,39 @@ class StepMessage:
     def num_requests(self) -> int:
         return len(self.seq_lens)
 
+    def __reduce__(self):
+        # Wire form: each distinct SamplingParams object once, as a tuple of its field values, plus
+        # an index per sampled row. Ray pickles with cloudpickle, whose Python-level hook runs once
+        # per non-builtin object; tuples and lists of ints and floats pickle in C.
+        slots: dict[int, int] = {}
+        index = [slots.setdefault(id(p), len(slots)) for p in self.params]
+        unique = {id(p): p for p in self.params}
+        return (_unpack_step_message, (self.is_prefill, self.input_ids, self.positions, self.seq_lens, self.query_lens,
+                                       self.page_tables, self.logits_rows,
+                                       [_param_values(p) for p in unique.values()], index, self.seeds, self.steps,
+                                       self.return_logits))
+
     def attention_batch(self) -> AttentionBatch:
         return AttentionBatch(self.is_prefill, list(self.seq_lens), list(self.query_lens),
                               [list(p) for p in self.page_tables], len(self.input_ids))
+
+
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+_param_values = attrgetter(*_PARAM_FIELDS)
+
+
+def _param_object(values: tuple) -> SamplingParams:
+    """A SamplingParams from already validated field values (no re-validation on every rank)."""
+    params = object.__new__(SamplingParams)
+    params.__dict__.update(zip(_PARAM_FIELDS, values))
+    return params
+
+
+def _unpack_step_message(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
+                         unique_params, param_index, seeds, steps, return_logits) -> StepMessage:
+    objects = [_param_object(v) for v in unique_params]
+    return StepMessage(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
+                       [objects[i] for i in param_index], seeds, steps, return_logits)
 
 
 @dataclass
