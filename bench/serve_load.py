@@ -25,6 +25,7 @@ class RequestRecord:
 
     sent: float
     token_times: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)  # completion tokens so far at each token chunk
     done: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
@@ -45,6 +46,12 @@ class RequestRecord:
     @property
     def tpot(self) -> float | None:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+    def chunk_tokens(self) -> list[int]:
+        """Tokens each token chunk carried (1 each where the server sent no running usage)."""
+        if len(self.token_counts) != len(self.token_times):
+            return [1] * len(self.token_times)
+        return [b - a for a, b in zip([0, *self.token_counts], self.token_counts)]
 
     @property
     def itls(self) -> list[float]:
@@ -78,6 +85,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: di
                     continue
                 if any(c.get("text") for c in chunk.get("choices") or ()):
                     rec.token_times.append(now)
+                    if chunk.get("usage"):  # continuous usage: how many tokens this chunk completes
+                        rec.token_counts.append(chunk["usage"]["completion_tokens"])
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
                     rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
@@ -104,7 +113,8 @@ async def run_load(base: str, model: str, prompts: list[list[int]], output_len: 
         start = time.perf_counter()
         for ids in prompts:
             body = {"model": model, "prompt": ids, "max_tokens": output_len, "stream": True, "temperature": 0,
-                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+                    "ignore_eos": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             tasks.append(asyncio.create_task(_one(session, url, body, headers or {})))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
@@ -145,7 +155,8 @@ def steady_decode_rate(records: list[RequestRecord]) -> float | None:
     """Decode tokens/s of requests sent together, while every one of them is decoding: the tokens
     received from the last first token to the first last token, over that window's length (the
     whole span of each request's tokens if that window is empty). Counting tokens over a window,
-    not gaps between them, stays right when the server sends several tokens in one write."""
+    not gaps between them, stays right when the server sends several tokens in one write or
+    (stream batching) in one chunk: a chunk counts the tokens its running usage says it carries."""
     ok = [r for r in records if r.ok and len(r.token_times) > 1]
     if not ok:
         return None
@@ -154,5 +165,5 @@ def steady_decode_rate(records: list[RequestRecord]) -> float | None:
         lo, hi = min(r.token_times[0] for r in ok), max(r.token_times[-1] for r in ok)
         if hi <= lo:
             return None
-    tokens = sum(1 for r in ok for t in r.token_times if lo < t <= hi)
+    tokens = sum(n for r in ok for t, n in zip(r.token_times, r.chunk_tokens()) if lo < t <= hi)
     return tokens / (hi - lo)

@@ -65,25 +65,36 @@ class Wakeups:
             self._pending.setdefault(loop, []).append(ready)
 
 
+def is_final(item) -> bool:
+    """Whether ``item`` ends a request's stream: its finished event or its output."""
+    return isinstance(item, RequestOutput) or (isinstance(item, RequestEvent) and item.finished)
+
+
 class EventSink:
     """Where the fleet's loop thread delivers one request's events and output, in order.
 
     Readers either block on :meth:`get` (a thread) or await :meth:`aget` (an asyncio loop: no
     thread is held while the request runs, so a server with many open streams does not run out
     of executor threads). Each ``put`` wakes the loop an asynchronous reader waits in, at once or,
-    with the producer's ``wakeups`` deferring, at its next flush.
+    with the producer's ``wakeups`` deferring, at its next flush. A reader that batches its stream
+    :meth:`ahold` s between reads: during a hold only a final item wakes it, so the tokens of the
+    steps in between cost the reader nothing until it :meth:`drain` s them together.
     """
 
     def __init__(self, wakeups: Wakeups | None = None) -> None:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._holding = False
+        self._final_put = False
         self._wakeups = wakeups if wakeups is not None else Wakeups()  # its own: never deferring
 
     def put(self, item) -> None:
         self._items.put(item)
+        final = is_final(item)
         with self._lock:
-            waiter = self._waiter
+            self._final_put = self._final_put or final
+            waiter = None if self._holding and not final else self._waiter
         if waiter is not None:
             self._wakeups.wake(*waiter)
 
@@ -91,14 +102,26 @@ class EventSink:
         """The next item; raises ``queue.Empty`` after ``timeout`` seconds."""
         return self._items.get(timeout=timeout)
 
+    def drain(self) -> list:
+        """Every item delivered so far and not yet taken (no wait)."""
+        items = []
+        while True:
+            try:
+                items.append(self._items.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _ready_event(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        with self._lock:
+            if self._waiter is None or self._waiter[0] is not loop:
+                self._waiter = (loop, asyncio.Event())
+            return self._waiter[1]
+
     async def aget(self, timeout: float):
         """The next item, awaited; raises ``queue.Empty`` after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        with self._lock:
-            if self._waiter is None or self._waiter[0] is not loop:
-                self._waiter = (loop, asyncio.Event())
-            ready = self._waiter[1]
+        ready = self._ready_event(loop)
         while True:
             try:
                 return self._items.get_nowait()
@@ -119,6 +142,24 @@ class EventSink:
                 await asyncio.wait_for(ready.wait(), left)
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
+
+    async def ahold(self, seconds: float) -> None:
+        """Wait ``seconds``, or less if the request's final item is (or gets) delivered."""
+        # A fresh event: a wake-up already scheduled for the old one (a token put just before the
+        # hold) must not end the hold.
+        ready = asyncio.Event()
+        with self._lock:
+            self._waiter = (asyncio.get_running_loop(), ready)
+            self._holding = True
+            final = self._final_put
+        try:
+            if not final:
+                await asyncio.wait_for(ready.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._holding = False
 
 
 @dataclass(eq=False)

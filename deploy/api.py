@@ -31,6 +31,7 @@ from deploy.errors import ApiError
 from deploy.metrics_merge import merge_expositions
 from deploy.streaming import (
     Job,
+    StreamSettings,
     abort_unfinished,
     chat_logprobs,
     chat_stream,
@@ -59,13 +60,18 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     ``tokenizer`` encodes prompts, renders chat templates and spells logprob tokens;
     ``config`` is the :class:`deploy.config.Config` (its ``serve`` section: ``api_key``,
-    ``model_name``, ``request_timeout_s``).
+    ``model_name``, ``request_timeout_s``, ``stream_batching_interval_ms``).
     """
     serve_cfg = config.serve
     model_name = serve_cfg.model_name or Path(config.model.path).name
     api_key = serve_cfg.api_key
     metrics = ApiMetrics(model_name)
     created = p.now()
+    interval_s = serve_cfg.stream_batching_interval_ms / 1e3
+
+    def stream_settings(req: p.CompletionRequest | p.ChatCompletionRequest) -> StreamSettings:
+        opts = req.stream_options or p.StreamOptions()
+        return StreamSettings(opts.include_usage, opts.continuous_usage_stats, interval_s)
     app = FastAPI(title="graphfleet", description="OpenAI-compatible API of a graphfleet fleet")
 
     # ----- errors -----
@@ -164,8 +170,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
                        serve_cfg.request_timeout_s, metrics)
         rid, t0 = p.new_id("cmpl"), p.now()
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(completion_stream(jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
+            return sse_response(completion_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
                                                   want_logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
@@ -186,8 +191,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
                        serve_cfg.request_timeout_s, metrics)
         rid, t0 = p.new_id("chatcmpl"), p.now()
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(chat_stream(jobs, rid, t0, model_name, include_usage, metrics, tokenizer,
+            return sse_response(chat_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
                                             req.logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.ChatChoice(index=j.index, message=p.ChatResponseMessage(content=o.text),

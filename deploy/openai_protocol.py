@@ -22,7 +22,11 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
+    """``include_usage``: a usage chunk before ``[DONE]``; ``continuous_usage_stats`` (as vLLM's):
+    usage so far in every chunk too."""
+
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Request):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -78,16 +78,40 @@ def _data(obj: BaseModel | dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _merged(jobs: list[Job]) -> AsyncIterator[list[tuple[Job, Any]]]:
-    """Events of every job as they come, in batches of what is ready at once (one step's tokens of
-    ``n`` choices, or several steps' when the reader fell behind); cancelling (client disconnect)
-    aborts the unfinished ones."""
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a response streams: usage after the last chunk (``stream_options.include_usage``) or in
+    every chunk too (``stream_options.continuous_usage_stats``), and how often each choice's tokens
+    go out (``serve.stream_batching_interval_ms``, in seconds here; 0 = as soon as they come)."""
+
+    include_usage: bool = False
+    continuous_usage: bool = False
+    interval_s: float = 0.0
+
+
+def merge_events(events: Sequence[Any]) -> Any:
+    """One event with the tokens, text and logprobs of consecutive ``events`` of one request, and
+    the finish of the last."""
+    if len(events) == 1:
+        return events[0]
+    last = events[-1]
+    logprobs = None
+    if any(e.logprobs is not None for e in events):
+        logprobs = [lp for e in events for lp in (e.logprobs or ())]
+    return replace(last, token_ids=[t for e in events for t in e.token_ids], text="".join(e.text for e in events),
+                   logprobs=logprobs)
+
+
+async def _merged(jobs: list[Job], interval_s: float) -> AsyncIterator[list[tuple[Job, Any]]]:
+    """Each job's event batches (see ``RequestHandle.aevent_batches``) as they come, gathered into
+    what is ready at once across the ``n`` choices; cancelling (client disconnect) aborts the
+    unfinished ones."""
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:
         try:
-            async for ev in job.handle.aevents():
-                q.put_nowait((job, ev))
+            async for events in job.handle.aevent_batches(interval_s):
+                q.put_nowait((job, events))
         except Exception as e:  # noqa: BLE001 (reported in the stream)
             q.put_nowait((job, e))
         finally:
@@ -118,13 +142,19 @@ class _StreamState:
         self.completion = {j.index: 0 for j in jobs}
         self.done: set[int] = set()
 
-    def add(self, job: Job, ev) -> None:
-        if ev.token_ids:
-            job.observe_tokens(self.metrics, job.observed + 1)  # this event's delivery time
+    def add(self, job: Job, ev, deliveries: int) -> None:
+        """Count ``ev`` (``deliveries`` fleet events with tokens merged into one)."""
+        if deliveries:
+            job.observe_tokens(self.metrics, job.observed + deliveries)  # their delivery times
         self.completion[job.index] += len(ev.token_ids)
         if ev.finished:
             self.done.add(job.index)
             self.metrics.finished(job.t0, job.prompt_len, self.completion[job.index], ev.finish_reason)
+
+    def usage(self) -> p.Usage:
+        prompt = sum(j.prompt_len for j in self.jobs)
+        completion = sum(self.completion.values())
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def close(self) -> None:
         """Count the choices a disconnect cut short (their requests are aborted by :func:`_merged`)."""
@@ -143,31 +173,44 @@ def _stream_error(item: Exception | Any) -> str:
 
 
 async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence[BaseModel], usage_cls,
-                  rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
+                  rid: str, created: int, model: str, settings: StreamSettings) -> AsyncIterator[str]:
     """The SSE body shared by both endpoints: ``opening`` chunks, one ``chunk(job, event)`` per
-    token event (None skips it), an error event per failed job, usage, then ``[DONE]``.
+    batch of a choice's events (None skips it), an error event per failed job, usage, then ``[DONE]``.
 
-    Events that are ready together go out as one body write (still one SSE event each): under
-    load that is one message through Serve's proxy per batch instead of one per token.
+    What is ready together goes out as one body write (still one SSE event per choice): under load
+    that is one message through Serve's proxy per batch instead of one per token.
     """
-    state, merged = _StreamState(jobs, metrics), _merged(jobs)
+    state, merged = _StreamState(jobs, metrics), _merged(jobs, settings.interval_s)
+
+    def data(body: BaseModel) -> str:
+        if settings.continuous_usage:
+            body = body.model_copy(update={"usage": state.usage()})
+        return _data(body)
+
     try:
         for first in opening:
-            yield _data(first)
+            yield data(first)
         async for batch in merged:
             parts = []
-            for job, ev in batch:
-                if isinstance(ev, Exception) or ev.finish_reason == "error":
-                    parts.append(_stream_error(ev))
+            for job, item in batch:
+                if isinstance(item, Exception):
+                    parts.append(_stream_error(item))
                     continue
-                state.add(job, ev)
-                body = chunk(job, ev)
-                if body is not None:
-                    parts.append(_data(body))
+                failed = item[-1] if item[-1].finish_reason == "error" else None
+                events = item[:-1] if failed is not None else item
+                if events:
+                    ev = merge_events(events)
+                    state.add(job, ev, sum(1 for e in events if e.token_ids))
+                    body = chunk(job, ev)
+                    if body is not None:
+                        parts.append(data(body))
+                if failed is not None:
+                    state.add(job, failed, 1 if failed.token_ids else 0)
+                    parts.append(_stream_error(failed))
             if parts:
                 yield "".join(parts)
-        if include_usage:
-            yield _data(_final_usage(usage_cls, rid, created, model, jobs, state))
+        if settings.include_usage:
+            yield _data(usage_cls(id=rid, created=created, model=model, choices=[], usage=state.usage()))
         yield "data: [DONE]\n\n"
     finally:
         abort_unfinished(jobs)  # a disconnect: end the requests now, not at max_tokens
@@ -175,7 +218,7 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
         await merged.aclose()
 
 
-def completion_stream(jobs, rid, created, model, include_usage, metrics, tokenizer,
+def completion_stream(jobs, rid, created, model, settings: StreamSettings, metrics, tokenizer,
                       want_logprobs) -> AsyncIterator[str]:
     def chunk(job: Job, ev) -> BaseModel | None:
         lp = None
@@ -188,10 +231,10 @@ def completion_stream(jobs, rid, created, model, include_usage, metrics, tokeniz
                                     finish_reason=ev.finish_reason if ev.finished else None)
         return p.CompletionResponse(id=rid, created=created, model=model, choices=[choice])
 
-    return _stream(jobs, metrics, chunk, (), p.CompletionResponse, rid, created, model, include_usage)
+    return _stream(jobs, metrics, chunk, (), p.CompletionResponse, rid, created, model, settings)
 
 
-def chat_stream(jobs, rid, created, model, include_usage, metrics, tokenizer,
+def chat_stream(jobs, rid, created, model, settings: StreamSettings, metrics, tokenizer,
                 want_logprobs) -> AsyncIterator[str]:
     def chunk(job: Job, ev) -> BaseModel | None:
         lp = chat_logprobs(tokenizer, ev.token_ids, ev.logprobs) if want_logprobs and ev.token_ids else None
@@ -203,11 +246,4 @@ def chat_stream(jobs, rid, created, model, include_usage, metrics, tokenizer,
 
     opening = [p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
         p.ChatChunkChoice(index=j.index, delta=p.ChatDelta(role="assistant", content=""))]) for j in jobs]
-    return _stream(jobs, metrics, chunk, opening, p.ChatCompletionChunk, rid, created, model, include_usage)
-
-
-def _final_usage(cls, rid, created, model, jobs, state) -> BaseModel:
-    prompt = sum(j.prompt_len for j in jobs)
-    completion = sum(state.completion.values())
-    usage = p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-    return cls(id=rid, created=created, model=model, choices=[], usage=usage)
+    return _stream(jobs, metrics, chunk, opening, p.ChatCompletionChunk, rid, created, model, settings)

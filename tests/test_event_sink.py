@@ -9,7 +9,10 @@ import time
 
 import pytest
 
-from cluster.fleet_request import EventSink, Wakeups
+from cluster.fleet_request import EventSink, FleetRequest, Wakeups
+from cluster.request_handle import RequestHandle
+from worker.engine import RequestEvent
+from worker.sampling.params import SamplingParams
 
 
 def _produce(sink: EventSink, n: int, pause_every: int) -> threading.Thread:
@@ -112,3 +115,66 @@ def _delay_to_reader(hold_s: float, use_flush: bool) -> float:
 def test_deferred_wakeups_reach_readers_at_the_flush():
     assert _delay_to_reader(0.3, use_flush=False) >= 0.25  # woken when the outer block ends
     assert _delay_to_reader(0.3, use_flush=True) < 0.2  # flush() wakes at once
+
+
+def _event(i: int, finished: bool = False) -> RequestEvent:
+    return RequestEvent("r", [i], f"t{i}", finished, "length" if finished else None)
+
+
+def test_hold_ignores_tokens_and_ends_at_the_final_event():
+    sink = EventSink()
+
+    async def hold_while(puts: list[tuple[float, RequestEvent]], hold_s: float) -> tuple[float, list]:
+        sink.put(_event(0))
+        assert (await sink.aget(timeout=1.0)).token_ids == [0]  # the reader's loop is registered
+        for delay, ev in puts:
+            threading.Timer(delay, sink.put, args=(ev,)).start()
+        t = time.monotonic()
+        await sink.ahold(hold_s)
+        held = time.monotonic() - t
+        await asyncio.sleep(0.05)  # timers of the same instant have put
+        return held, sink.drain()
+
+    held, items = asyncio.run(hold_while([(0.01 * i, _event(i)) for i in range(1, 10)], 0.4))
+    assert held >= 0.35  # nine tokens arrived during the hold and none woke it
+    assert [e.token_ids[0] for e in items] == list(range(1, 10))
+    assert sink.drain() == []
+
+    held, items = asyncio.run(hold_while([(0.02, _event(1)), (0.1, _event(2, finished=True))], 5.0))
+    assert held < 1.0  # the final event ends the hold
+    assert [e.finished for e in items] == [False, True]
+
+    async def after_final() -> float:  # the final item is already there: no wait at all
+        t = time.monotonic()
+        await sink.ahold(5.0)
+        return time.monotonic() - t
+
+    assert asyncio.run(after_final()) < 0.5
+
+
+def test_event_batches_first_at_once_then_per_interval_and_final_at_once():
+    """RequestHandle.aevent_batches: the first event goes alone; tokens then wait for the interval
+    unless the final event comes first. The test thread plays the fleet loop (the sink's producer)."""
+    request = FleetRequest("r", [1, 2, 3], SamplingParams(max_tokens=8), 0, None)
+    handle = RequestHandle(None, request)
+
+    def produce() -> None:
+        for i in range(1, 6):
+            request.deliver(_event(i))
+        time.sleep(0.1)
+        request.finish("length", event=_event(6, finished=True))
+
+    async def read() -> list[tuple[float, list[int]]]:
+        got = []
+        request.deliver(_event(0))
+        t = time.monotonic()
+        async for batch in handle.aevent_batches(interval_s=2.0, wait_s=5.0):
+            got.append((time.monotonic() - t, [e.token_ids[0] for e in batch]))
+            if len(got) == 1:
+                threading.Thread(target=produce, daemon=True).start()
+        return got
+
+    got = asyncio.run(read())
+    assert [ids for _, ids in got] == [[0], [1, 2, 3, 4, 5, 6]]
+    assert got[0][0] < 0.5 and got[1][0] < 1.5  # neither waited for the 2 s interval
+    assert handle.finished and asyncio.run(handle.aresult(wait_s=1.0)).token_ids == list(range(7))

@@ -62,8 +62,12 @@ def reference(path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = Engine(load_config(None, [f"model.path={path}", *OVERRIDES]))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    yield lambda prompt: engine.generate([prompt], params)[0]
+
+    def generate(prompt, max_tokens: int = MAX_TOKENS):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return engine.generate([prompt], params)[0]
+
+    yield generate
     torch.set_num_threads(threads)
 
 
@@ -123,6 +127,24 @@ def test_completions_match_engine(client, reference):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == MAX_TOKENS
         assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_stream_batches_tokens_by_the_interval(client, reference):
+    """serve.stream_batching_interval_ms (default 50): several tokens to a chunk, at most one chunk
+    per interval after the first; the same text, and usage in every chunk when asked for."""
+    prompt, max_tokens = PROMPTS[0], 48
+    ref = reference(prompt, max_tokens)
+    started = time.monotonic()
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    elapsed = time.monotonic() - started
+    texts = [c for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(c.choices[0].text for c in texts) == ref.text
+    counts = [c.usage.completion_tokens for c in texts]
+    assert counts[-1] == max_tokens and counts == sorted(counts)
+    interval_s = 0.050
+    assert len(texts) <= 2 + elapsed / interval_s, (len(texts), elapsed)
 
 
 def test_batched_prompts_n_and_logprobs(client, reference):

@@ -346,6 +346,10 @@ class ServeConfig(Section):
     request_timeout_s: default deadline of a request from submission; None = no deadline.
     gil_switch_interval_ms: the Serve replica's ``sys.setswitchinterval`` in ms; None = Python's 5 ms
         (the fleet loop thread may wait this long for the GIL behind the replica's HTTP loop).
+    stream_batching_interval_ms: a streamed choice's tokens go out at most once per this many ms
+        (the first token and the finish at once), several tokens to a chunk, as Ray Serve LLM's
+        ``stream_batching_interval_ms``; 0 = every step's tokens as they come (vLLM's and SGLang's
+        default). Each chunk costs the replica a JSON body and a message through Serve's proxy.
     """
 
     host: str = "127.0.0.1"
@@ -354,6 +358,7 @@ class ServeConfig(Section):
     model_name: str | None = None
     request_timeout_s: float | None = None
     gil_switch_interval_ms: float | None = None
+    stream_batching_interval_ms: float = 50.0
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "must not be empty")
@@ -363,6 +368,8 @@ class ServeConfig(Section):
         _check(t is None or t > 0, "request_timeout_s", f"must be > 0 or null, got {t!r}")
         g = self.gil_switch_interval_ms
         _check(g is None or 0 < g <= 1000, "gil_switch_interval_ms", f"must be in (0, 1000] or null, got {g!r}")
+        b = self.stream_batching_interval_ms
+        _check(0 <= b <= 1000, "stream_batching_interval_ms", f"must be in [0, 1000], got {b!r}")
 
 
 @dataclass(frozen=True)
