@@ -5,12 +5,18 @@ what the actor hop costs. Two ways to drive the group are measured: a Ray Compil
 (``cluster.compiled_graph=true``, the default: shared-memory channels) and a Ray task per rank
 per step (an object-store put of the message and a ray.get of the tokens). Without a GPU it runs
 the same comparison on the CPU (graphs off) with ``--preset tiny-llama``: the hop cost is host work.
+Each step is split into the rank's own ``Worker.execute`` and the hop around it; ``bare_channel_ms``
+is Ray's channel alone for that hop: the same message to an actor that only spins as long as the
+rank took (the reader's wake-up grows with the wait: 51 us at 0 ms, 329 us at 10 ms on the 2-core
+CPU machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,11 +24,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import decode_step_breakdown, environment, print_table, write_results  # noqa: E402
+from bench.common import decode_step_breakdown, environment, print_table, wall_times, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from cluster.group import WorkerGroup  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
+from worker.step import StepMessage, StepResult  # noqa: E402
+
+
+@ray.remote(num_cpus=1)
+class _Echo:
+    """A rank that only spins for ``work_s`` (as a rank waits on its device): what the
+    compiled-graph channel alone costs a step that long."""
+
+    def __init__(self, work_s: float) -> None:
+        self.work_s = work_s
+
+    def execute(self, msg: StepMessage) -> StepResult:
+        end = time.perf_counter() + self.work_s
+        while time.perf_counter() < end:
+            pass
+        return StepResult([0] * len(msg.logits_rows))
+
+
+def bare_channel_seconds(batch: int, context: int, work_s: float, repeats: int) -> float:
+    """Median round trip, less ``work_s``, of a decode-shaped StepMessage (``batch`` rows of
+    ``context`` tokens, one SamplingParams each) through a Ray Compiled Graph to an actor that
+    spins ``work_s`` and returns."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    pages = context // 16 + 1
+    msg = StepMessage(False, list(range(batch)), [context] * batch, [context + 1] * batch, [1] * batch,
+                      [list(range(i * pages, (i + 1) * pages)) for i in range(batch)], list(range(batch)),
+                      [SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True) for _ in range(batch)],
+                      list(range(batch)), [1] * batch)
+    echo = _Echo.remote(work_s)
+    with InputNode() as inp:
+        dag = MultiOutputNode([echo.execute.bind(inp)]).experimental_compile()
+    try:
+        return statistics.median(wall_times(lambda: ray.get(dag.execute(msg)), repeats=repeats, warmup=20)) - work_s
+    finally:
+        dag.teardown()
+        ray.kill(echo)
 
 
 def main() -> None:
@@ -55,6 +99,8 @@ def main() -> None:
         remote = Engine(group_cfg, executor=group)
         actor_times[compiled] = {b: decode_step_breakdown(remote, b, args.context, args.repeats) for b in batches}
         group.shutdown()
+    channel = {b: bare_channel_seconds(b, args.context, actor_times[True][b]["rank_s"], max(args.repeats, 200))
+               for b in batches}
     ray.shutdown()
     rows = []
     for b in batches:
@@ -67,7 +113,9 @@ def main() -> None:
             # where the difference goes: the rank's own execute, and the hop around it
             "rank_in_process_ms": loc["rank_s"] * 1e3, "rank_compiled_ms": cg["rank_s"] * 1e3,
             "hop_compiled_ms": (cg["execute_s"] - cg["rank_s"]) * 1e3,
-            "hop_tasks_ms": (tasks["execute_s"] - tasks["rank_s"]) * 1e3})
+            "hop_tasks_ms": (tasks["execute_s"] - tasks["rank_s"]) * 1e3,
+            # of which Ray's channel: the same message to an actor that spins as long as the rank took
+            "bare_channel_ms": channel[b] * 1e3})
     print_table(rows, list(rows[0]))
     print(f"wrote {write_results('actor_overhead', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 
