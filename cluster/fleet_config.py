@@ -106,7 +106,11 @@ class FleetConfig:
         return self.decode_tp_size if role == "decode" else self.prefill_tp_size
 
     def role_config(self, config: Config, role: Role) -> Config:
-        """``config`` for a group of ``role``: its tp size, and graphs captured only for its phases."""
+        """``config`` for a group of ``role``: its tp size, graphs captured only for its phases, and no
+        async scheduling on a prefill group."""
         phases = [p for p in _PHASES[role] if config.graphs.capture in ("both", p)]
         capture = "both" if len(phases) == 2 else phases[0] if phases else "none"
-        return with_overrides(config, [f"graphs.capture={capture}", f"cluster.tp_size={self.tp_size(role)}"])
+        overrides = [f"graphs.capture={capture}", f"cluster.tp_size={self.tp_size(role)}"]
+        if role == "prefill":  # a prefill group hands each request off after its first token
+            overrides.append("scheduler.async_scheduling=false")
+        return with_overrides(config, overrides)

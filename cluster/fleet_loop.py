@@ -310,7 +310,7 @@ class FleetLoop:
                 continue
             before = len(slot.engine.step_stats)
             events = slot.engine.step()
-            stepped = stepped or bool(events) or len(slot.engine.step_stats) != before
+            stepped = stepped or bool(events) or len(slot.engine.step_stats) != before or slot.engine.in_flight
             for ev in events:
                 self._on_event(slot, ev)
             self.wakeups.flush()  # this group's tokens go out before the next group steps

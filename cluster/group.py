@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayError
@@ -95,12 +96,15 @@ class _Incarnation:
     def _all(self, method: str, deadline: float, *args):
         return ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=_left(deadline))
 
-    def execute(self, msg: StepMessage, timeout_s: float) -> StepResult:
+    def submit(self, msg: StepMessage):
+        """Send a step to every rank; what :meth:`collect` waits on."""
         if self._dag is not None:
-            return ray.get(self._dag.execute(msg), timeout=timeout_s)[0]
+            return self._dag.execute(msg)
         ref = ray.put(msg)
-        results = ray.get([a.execute.remote(ref) for a in self.actors], timeout=timeout_s)
-        return results[0]
+        return [a.execute.remote(ref) for a in self.actors]
+
+    def collect(self, sent, timeout_s: float) -> StepResult:
+        return ray.get(sent, timeout=timeout_s)[0]
 
     def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
         """Ranks that no longer answer a ping (a closed compiled-graph channel names no rank)."""
@@ -247,23 +251,41 @@ class WorkerGroup:
 
     def execute(self, msg: StepMessage) -> StepResult:
         """Run one step on every rank; raises GroupFailed (group now dead) or GroupUnavailable."""
+        return self.submit(msg).result()
+
+    def submit(self, msg: StepMessage) -> _GroupStep:
+        """Send one step to every rank without waiting (steps run in submission order); its
+        ``result()`` raises as :meth:`execute` does."""
         if not self.wait_ready(self.config.cluster.start_timeout_s):
             raise GroupUnavailable(f"group {self.group_id} is {self._state.value}: {self.last_error}")
         inc = self._incarnation
         try:
-            return inc.execute(msg, self.config.cluster.step_timeout_s)
-        except (GetTimeoutError, RayChannelTimeoutError):
+            return _GroupStep(self, inc, inc.submit(msg))
+        except RayError as e:
+            self._step_failed(inc, e)
+
+    def _collect(self, inc: _Incarnation, sent) -> StepResult:
+        try:
+            return inc.collect(sent, self.config.cluster.step_timeout_s)
+        except RayError as e:
+            self._step_failed(inc, e)
+
+    def _step_failed(self, inc: _Incarnation, error: RayError) -> NoReturn:
+        """Fail the incarnation a step failed on (a later step's failure of it is the same)."""
+        first_line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if isinstance(error, (GetTimeoutError, RayChannelTimeoutError)):
             reason = f"step exceeded cluster.step_timeout_s={self.config.cluster.step_timeout_s}s"
-        except RayActorError as e:
-            reason = f"a rank died: {type(e).__name__}: {str(e).splitlines()[0]}"
-        except RayChannelError as e:
+        elif isinstance(error, RayActorError):
+            reason = f"a rank died: {first_line}"
+        elif isinstance(error, RayChannelError):
             dead = inc.dead_ranks()
             reason = (f"a rank died: rank {', '.join(map(str, dead))} (compiled-graph channel closed)" if dead
-                      else f"a rank failed the step: {type(e).__name__}: {str(e).splitlines()[0]}")
-        except RayError as e:
-            reason = f"a rank failed the step: {type(e).__name__}: {str(e).splitlines()[0]}"
-        self._fail(reason)
-        raise GroupFailed(f"group {self.group_id}: {reason}")
+                      else f"a rank failed the step: {first_line}")
+        else:
+            reason = f"a rank failed the step: {first_line}"
+        if inc is self._incarnation:
+            self._fail(reason)
+        raise GroupFailed(f"group {self.group_id}: {reason}") from None
 
     def rank_actors(self) -> list:
         """The live rank actors (for health probes and fault-injection tests)."""
@@ -278,3 +300,16 @@ class WorkerGroup:
         if inc is not None:
             inc.kill()
         self._set_state(GroupState.DEAD)
+
+
+class _GroupStep:
+    """A step sent to one incarnation of a group; :meth:`result` waits for rank 0's tokens."""
+
+    def __init__(self, group: WorkerGroup, inc: _Incarnation, sent) -> None:
+        self._group, self._inc, self._sent = group, inc, sent
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._group._collect(self._inc, self._sent)
+        return self._result

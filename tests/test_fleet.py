@@ -92,7 +92,10 @@ def reference(path):
 
 @pytest.fixture(scope="module")
 def disagg(ray_local, path):
-    fleet = Fleet.start(_config(path), mode="disaggregated", name="dis", max_queued_requests=64)
+    """1 prefill + 1 decode group; the decode group schedules asynchronously (steps in flight
+    while KV imports, aborts and group failures happen), the prefill group cannot."""
+    fleet = Fleet.start(_config(path, "scheduler.async_scheduling=true"), mode="disaggregated", name="dis",
+                        max_queued_requests=64)
     yield fleet
     fleet.shutdown()
 
@@ -200,6 +203,7 @@ def test_colocated_matches_engine(ray_local, path, reference):
 def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
     health = disagg.health()
     assert health["status"] == "ready"
+    assert {s.role: s.engine.async_scheduling for s in disagg.slots} == {"prefill": False, "decode": True}
     assert {g: v["role"] for g, v in health["groups"].items()} == {"dis-p0": "prefill", "dis-d0": "decode"}
     prompts = _prompts(6, seed=2)
     outs = disagg.generate(prompts, GREEDY, timeout_s=120)

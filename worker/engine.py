@@ -20,6 +20,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from deploy.config import Config
+from worker.async_steps import InFlightStep, async_step
 from worker.detokenizer import OutputText
 from worker.executor import Executor, ExecutorFailed, ExecutorUnavailable
 from worker.kv_cache import PageAllocator
@@ -93,7 +94,9 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
-                            sched.chunked_prefill_size, page_size), self.allocator)
+                            sched.chunked_prefill_size, page_size), self.allocator, self.max_model_len)
+        self.async_scheduling = sched.async_scheduling
+        self._inflight: InFlightStep | None = None
         self.requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
         self._arrivals = itertools.count()
@@ -189,6 +192,9 @@ class Engine:
         new one (it must copy them or order its copy before the next step, and must not raise),
         then the request finishes here with reason ``handoff`` (its text is not flushed).
         """
+        if on_first_token is not None and self.async_scheduling:
+            raise RequestRejected("a hand-off after the first token needs scheduler.async_scheduling=false "
+                                  "(the next step would already be on its way)")
         req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
         self._register(req)
         if on_first_token is not None:
@@ -238,12 +244,23 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step is sent and not read back (async scheduling)."""
+        return self._inflight is not None
 
     # ----- stepping -----
 
     def step(self) -> list[RequestEvent]:
-        """Run one prefill or decode batch; returns the events of the requests it advanced."""
+        """Run one prefill or decode batch; returns the events of the requests it advanced.
+
+        With ``scheduler.async_scheduling`` a call sends the next batch and then reads back the one
+        sent by the call before (see :mod:`worker.async_steps`): its events are that batch's.
+        """
+        if self.async_scheduling:
+            return async_step(self)
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -330,6 +347,8 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
+        while self.in_flight and not self.scheduler.has_work():
+            self.step()  # read back the step sent for nothing but tokens to drop (async scheduling)
         outputs = [self.output(i) for i in ids]
         for i in ids:
             self.release(i)

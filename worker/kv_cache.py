@@ -80,6 +80,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._allocated: set[int] = set()
+        self._held: list[int] | None = None  # freed, not yet reusable (see hold)
 
     @property
     def num_free(self) -> int:
@@ -104,4 +105,33 @@ class PageAllocator:
             if p not in self._allocated:
                 raise ValueError(f"page {p} freed but not allocated (double free or foreign page)")
             self._allocated.remove(p)
-            self._free.append(p)
+            (self._free if self._held is None else self._held).append(p)
+
+    # Async scheduling: a page freed while a step is in flight may still be written by that step
+    # (its request finished, was aborted or preempted after the step was sent), and a KV import
+    # into it would race that write. Such pages are held back until the step is read back.
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held or ())
+
+    def hold(self) -> None:
+        """From now on, freed pages are held back (owned by nobody, not allocatable) until released."""
+        if self._held is None:
+            self._held = []
+
+    def take_held(self) -> list[int]:
+        """The pages held back since the last call; they stay out of the free list (release them)."""
+        held = self._held or []
+        if self._held is not None:
+            self._held = []
+        return held
+
+    def release(self, pages: list[int]) -> None:
+        """Make pages from :meth:`take_held` allocatable again."""
+        self._free.extend(pages)
+
+    def stop_holding(self) -> None:
+        """Release every held page and free pages at once again."""
+        self.release(self.take_held())
+        self._held = None

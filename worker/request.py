@@ -36,6 +36,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_pending: int = 0  # tokens sampled by steps in flight, not yet read back (async scheduling)
     prefilling: bool = True
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -50,6 +51,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence once the steps in flight land: ``num_tokens + num_pending``."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    def ends_with_pending(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight already end it by length (no further step is worth sending)."""
+        return self.num_pending > 0 and (len(self.output_ids) + self.num_pending >= self.params.max_tokens
+                                         or self.seq_len >= max_model_len)
 
     @property
     def finished(self) -> bool:

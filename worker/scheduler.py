@@ -50,9 +50,10 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting and running queues and the page allocator's bookings."""
 
-    def __init__(self, limits: SchedulerLimits, allocator: PageAllocator) -> None:
+    def __init__(self, limits: SchedulerLimits, allocator: PageAllocator, max_model_len: int = 1 << 62) -> None:
         self.limits = limits
         self.allocator = allocator
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -113,14 +114,14 @@ class Scheduler:
         return batch if batch.requests else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        decoding = [r for r in self.running if not r.prefilling]
+        decoding = [r for r in self.running if not r.prefilling and not r.ends_with_pending(self.max_model_len)]
         if not decoding:
             return None
         scheduled: list[Request] = []
         for req in sorted(decoding, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self._book(req, req.num_tokens):
+            while not self._book(req, req.seq_len):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
                 if victim is req:
@@ -130,7 +131,7 @@ class Scheduler:
         scheduled = [r for r in scheduled if r.status is Status.RUNNING]
         if not scheduled:
             return None
-        return ScheduledBatch(False, scheduled, [r.num_tokens - 1 for r in scheduled],
+        return ScheduledBatch(False, scheduled, [r.seq_len - 1 for r in scheduled],
                               [1] * len(scheduled), [True] * len(scheduled))
 
     def _preempt(self, req: Request) -> None:
@@ -138,6 +139,7 @@ class Scheduler:
         self.allocator.free(req.pages)
         req.pages = []
         req.num_computed = 0
+        req.num_pending = 0  # what steps in flight sample for it is dropped (its preemption count moved on)
         req.prefilling = True
         req.status = Status.WAITING
         req.num_preemptions += 1

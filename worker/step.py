@@ -30,6 +30,9 @@ class StepMessage:
     seeds: list[int]
     steps: list[int]
     return_logits: bool = False
+    # (index into input_ids, row of the previous step's sampled tokens): input tokens the engine
+    # has not read back yet (async scheduling); every rank takes them from its own last step.
+    from_previous: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:
@@ -45,7 +48,7 @@ class StepMessage:
         return (_unpack_step_message, (self.is_prefill, self.input_ids, self.positions, self.seq_lens, self.query_lens,
                                        self.page_tables, self.logits_rows,
                                        [_param_values(p) for p in unique.values()], index, self.seeds, self.steps,
-                                       self.return_logits))
+                                       self.return_logits, self.from_previous))
 
     def attention_batch(self) -> AttentionBatch:
         return AttentionBatch(self.is_prefill, list(self.seq_lens), list(self.query_lens),
@@ -64,10 +67,10 @@ def _param_object(values: tuple) -> SamplingParams:
 
 
 def _unpack_step_message(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
-                         unique_params, param_index, seeds, steps, return_logits) -> StepMessage:
+                         unique_params, param_index, seeds, steps, return_logits, from_previous) -> StepMessage:
     objects = [_param_object(v) for v in unique_params]
     return StepMessage(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
-                       [objects[i] for i in param_index], seeds, steps, return_logits)
+                       [objects[i] for i in param_index], seeds, steps, return_logits, from_previous)
 
 
 @dataclass
@@ -80,20 +83,33 @@ class StepResult:
     rank_s: float = 0.0  # seconds the (first) rank spent in Worker.execute, timed on that rank
 
 
-def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool = False) -> StepMessage:
-    """Flatten a scheduled batch; ``seeds`` are those of the rows that sample, in order."""
+def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool = False,
+                       previous_rows: dict[int, int] | None = None) -> StepMessage:
+    """Flatten a scheduled batch; ``seeds`` are those of the rows that sample, in order.
+
+    A request with a token in flight (``num_pending``) gets a placeholder input filled by the
+    ranks from the previous step's sampled row ``previous_rows[id(request)]``.
+    """
     ids: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
     params: list[SamplingParams] = []
     steps: list[int] = []
+    from_previous: list[tuple[int, int]] = []
     for req, start, n, sample_row in zip(batch.requests, batch.start, batch.num_new, batch.sample):
-        ids.extend(req.token_ids[start:start + n])
+        known = req.token_ids[start:start + n]
+        ids.extend(known)
+        if len(known) < n:  # only the last token can be in flight (one step ahead at most)
+            if previous_rows is None or n - len(known) != 1 or id(req) not in previous_rows:
+                raise ValueError(f"request {req.request_id}: input token {start + n - 1} is not known and no "
+                                 "step in flight samples it")
+            from_previous.append((len(ids), previous_rows[id(req)]))
+            ids.append(0)
         positions.extend(range(start, start + n))
         if sample_row:
             rows.append(len(ids) - 1)
             params.append(req.params)
-            steps.append(len(req.output_ids))
+            steps.append(len(req.output_ids) + req.num_pending)
     return StepMessage(batch.is_prefill, ids, positions, [s + n for s, n in zip(batch.start, batch.num_new)],
                        list(batch.num_new), [list(r.pages) for r in batch.requests], rows, params, list(seeds),
-                       steps, return_logits)
+                       steps, return_logits, from_previous)

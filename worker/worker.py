@@ -25,6 +25,7 @@ from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
 from worker.attention.factory import create_attention_backend
+from worker.executor import DeferredStep
 from worker.graph_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
 from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.model.arch import ModelArch
@@ -88,6 +89,7 @@ class Worker:
             sched.chunked_prefill_size)
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
+        self._last_tokens: list[int] = []  # sampled by the last step (async scheduling's inputs)
         self._tc_step: CompiledPrefillStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
 
@@ -306,16 +308,31 @@ class Worker:
     # ----- steps -----
 
     def execute(self, msg: StepMessage) -> StepResult:
-        """Run one step and read its tokens back (the step's one host synchronisation)."""
+        """Run one step and read its tokens back (the step's one host synchronisation).
+
+        Inputs the engine has not read back yet (``msg.from_previous``) are this worker's tokens of
+        the step it ran last.
+        """
         start = time.perf_counter()
+        for pos, row in msg.from_previous:
+            if row >= len(self._last_tokens):
+                raise ValueError(f"step input {pos} wants row {row} of the previous step's tokens, which "
+                                 f"sampled {len(self._last_tokens)}")
+            msg.input_ids[pos] = self._last_tokens[row]
         out, logits = self.runner.execute(msg)
         if out is None:
+            self._last_tokens = []
             return StepResult(rank_s=time.perf_counter() - start)
         result = StepResult(out.token_ids.tolist(), out.logprobs.tolist() if out.logprobs is not None else None)
+        self._last_tokens = result.token_ids
         if msg.return_logits:
             result.logits = logits.float().cpu()
         result.rank_s = time.perf_counter() - start
         return result
+
+    def submit(self, msg: StepMessage) -> DeferredStep:
+        """The step, run when its result is read (see :class:`worker.executor.DeferredStep`)."""
+        return DeferredStep(self.execute, msg)
 
     def shutdown(self) -> None:
         """Release graphs before the buffers and communicators they point at."""

@@ -140,12 +140,21 @@ class SchedulerConfig(Section):
     max_num_batched_tokens: tokens in one forward step (prefill + decode).
     chunked_prefill_size: longest prefill chunk; longer prompts are split (<= max_num_batched_tokens).
     max_waiting_requests: queued requests before new ones are rejected.
+    async_scheduling: schedule and send step N+1 before reading step N's tokens back (vLLM's
+        ``--async-scheduling``): a rank takes a decode row's input token from the tokens it sampled
+        in the step before, so the hop to the ranks and the engine's host work overlap the ranks'
+        compute. Off until measured on a GPU host (on the 2-core CPU machine the rank then
+        competes with the engine's host work for the cores). With a local worker it changes only
+        the order of host work (a step runs when its tokens are read). Never on the prefill groups
+        of a disaggregated fleet. A request that stops on EOS or a stop string has computed one
+        token more, which is dropped.
     """
 
     max_running_requests: int = 256
     max_num_batched_tokens: int = 8192
     chunked_prefill_size: int = 8192
     max_waiting_requests: int = 4096
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size", "max_waiting_requests"):
