@@ -5,6 +5,8 @@ what the actor hop costs. Two ways to drive the group are measured: a Ray Compil
 (``cluster.compiled_graph=true``, the default: shared-memory channels) and a Ray task per rank
 per step (an object-store put of the message and a ray.get of the tokens). Without a GPU it runs
 the same comparison on the CPU (graphs off) with ``--preset tiny-llama``: the hop cost is host work.
+``async_compiled_ms`` is the compiled graph with ``scheduler.async_scheduling`` (step N+1 sent
+before step N is read back: the hop overlaps the rank's compute).
 Each step is split into the rank's own ``Worker.execute`` and the hop around it; ``bare_channel_ms``
 is Ray's channel alone for that hop: the same message to an actor that only spins as long as the
 rank took (the reader's wake-up grows with the wait: 51 us at 0 ms, 329 us at 10 ms on the 2-core
@@ -93,25 +95,31 @@ def main() -> None:
         torch.cuda.empty_cache()
     ray.init(_node_ip_address="127.0.0.1", num_gpus=torch.cuda.device_count(), include_dashboard=False)
     actor_times = {}
-    for compiled in (True, False):
-        group_cfg = load_config(None, [*overrides, f"cluster.compiled_graph={str(compiled).lower()}"])
+    for way, extra in (("compiled", ["cluster.compiled_graph=true", "scheduler.async_scheduling=false"]),
+                       ("tasks", ["cluster.compiled_graph=false", "scheduler.async_scheduling=false"]),
+                       ("async", ["cluster.compiled_graph=true", "scheduler.async_scheduling=true"])):
+        group_cfg = load_config(None, [*overrides, *extra])
         group = WorkerGroup(group_cfg)
         remote = Engine(group_cfg, executor=group)
-        actor_times[compiled] = {b: decode_step_breakdown(remote, b, args.context, args.repeats) for b in batches}
+        actor_times[way] = {b: decode_step_breakdown(remote, b, args.context, args.repeats) for b in batches}
         group.shutdown()
-    channel = {b: bare_channel_seconds(b, args.context, actor_times[True][b]["rank_s"], max(args.repeats, 200))
+    channel = {b: bare_channel_seconds(b, args.context, actor_times["compiled"][b]["rank_s"], max(args.repeats, 200))
                for b in batches}
     ray.shutdown()
     rows = []
     for b in batches:
-        loc, cg, tasks = local_times[b], actor_times[True][b], actor_times[False][b]
+        loc, cg, tasks, pipe = (local_times[b], actor_times["compiled"][b], actor_times["tasks"][b],
+                                actor_times["async"][b])
         rows.append({
             "preset": args.preset, "batch": b, "in_process_ms": loc["step_s"] * 1e3,
             "compiled_graph_ms": cg["step_s"] * 1e3, "ray_tasks_ms": tasks["step_s"] * 1e3,
+            "async_compiled_ms": pipe["step_s"] * 1e3,
             "compiled_over_in_process": cg["step_s"] / loc["step_s"],
+            "async_over_in_process": pipe["step_s"] / loc["step_s"],
             "tasks_over_in_process": tasks["step_s"] / loc["step_s"],
             # where the difference goes: the rank's own execute, and the hop around it
             "rank_in_process_ms": loc["rank_s"] * 1e3, "rank_compiled_ms": cg["rank_s"] * 1e3,
+            "rank_async_ms": pipe["rank_s"] * 1e3,
             "hop_compiled_ms": (cg["execute_s"] - cg["rank_s"]) * 1e3,
             "hop_tasks_ms": (tasks["execute_s"] - tasks["rank_s"]) * 1e3,
             # of which Ray's channel: the same message to an actor that spins as long as the rank took
