@@ -1,0 +1,138 @@
+"""The ``graphs`` section: CUDA graphs for decode and prefill, the capture set and the graph budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from deploy.config.checks import _check, _check_ladder, _check_min, parse_bytes
+from deploy.config.loader import ConfigError, Section
+
+DecodeBackend = Literal["full", "breakable", "eager", "debug"]
+PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
+CaptureMode = Literal["both", "decode", "prefill", "none"]
+
+
+@dataclass(frozen=True)
+class DecodeGraphConfig(Section):
+    """CUDA graphs for decode steps.
+
+    backend: how decode steps run: "full" or "breakable" graphs, "eager" (no graph), or "debug".
+    max_batch_size: largest captured batch; larger batches run eager.
+    batch_sizes: captured batch sizes, strictly increasing; None = the default ladder up to max_batch_size.
+    padding: pad a batch up to the next captured size (else only exact sizes replay).
+    """
+
+    backend: DecodeBackend = "full"
+    max_batch_size: int = 256
+    batch_sizes: tuple[int, ...] | None = None
+    padding: bool = True
+
+    def __post_init__(self) -> None:
+        _check_min(self.max_batch_size, "max_batch_size", 1)
+        _check_ladder(self.batch_sizes, "batch_sizes")
+        if self.batch_sizes:
+            _check(
+                self.batch_sizes[-1] <= self.max_batch_size,
+                "batch_sizes",
+                f"largest size {self.batch_sizes[-1]} exceeds max_batch_size ({self.max_batch_size})",
+            )
+
+
+@dataclass(frozen=True)
+class PrefillGraphConfig(Section):
+    """CUDA graphs for prefill chunks, captured per token bucket.
+
+    backend: how prefill chunks run: "breakable", "full" or "tc_piecewise" graphs, "eager" (no graph), or "debug".
+    token_buckets: captured token counts, strictly increasing; None = default ladder up to max_tokens.
+    max_tokens: largest captured bucket; None = scheduler.chunked_prefill_size.
+    num_request_slots: requests per captured prefill; None = max(1, chunked_prefill_size // 512).
+    max_padding_ratio: replay a bucket only if bucket / actual tokens <= this, else run eager (>= 1).
+    """
+
+    backend: PrefillBackend = "breakable"
+    token_buckets: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    num_request_slots: int | None = None
+    max_padding_ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check_ladder(self.token_buckets, "token_buckets")
+        _check_min(self.max_tokens, "max_tokens", 1)
+        if self.token_buckets and self.max_tokens is not None:
+            _check(
+                self.token_buckets[-1] <= self.max_tokens,
+                "token_buckets",
+                f"largest bucket {self.token_buckets[-1]} exceeds max_tokens ({self.max_tokens})",
+            )
+        _check_min(self.num_request_slots, "num_request_slots", 1)
+        _check_min(self.max_padding_ratio, "max_padding_ratio", 1)
+
+    def resolved_max_tokens(self, chunked_prefill_size: int) -> int:
+        """``max_tokens`` with None resolved (largest token bucket, else the prefill chunk size)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return self.token_buckets[-1] if self.token_buckets else chunked_prefill_size
+
+    def resolved_num_request_slots(self, chunked_prefill_size: int) -> int:
+        """``num_request_slots`` with None resolved."""
+        if self.num_request_slots is not None:
+            return self.num_request_slots
+        return max(1, chunked_prefill_size // 512)
+
+
+@dataclass(frozen=True)
+class GraphsConfig(Section):
+    """CUDA graph capture and replay.
+
+    enabled: master switch; False runs every step eager.
+    debug: extra replay checks (slow).
+    decode: decode graphs.
+    prefill: prefill graphs.
+    capture: which phases are captured.
+    memory_budget: cap on graph memory: int = bytes, float in (0, 1] = fraction of free memory,
+        str = size such as "4GiB"; None = no cap.
+    profile: name of a graph tuning profile; None = none.
+    capture_timeout_s: abort capture after this many seconds (> 0).
+    """
+
+    enabled: bool = True
+    debug: bool = False
+    decode: DecodeGraphConfig = field(default_factory=DecodeGraphConfig)
+    prefill: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
+    capture: CaptureMode = "both"
+    memory_budget: int | float | str | None = None
+    profile: str | None = None
+    capture_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        budget = self.memory_budget
+        if isinstance(budget, float):
+            _check(0 < budget <= 1, "memory_budget",
+                   f"a float is a fraction of free memory and must be in (0, 1], got {budget!r}")
+        elif isinstance(budget, (int, str)):
+            try:
+                nbytes = parse_bytes(budget)
+            except ValueError as exc:
+                raise ConfigError(str(exc), key="memory_budget") from None
+            _check(nbytes > 0, "memory_budget", f"must be > 0 bytes, got {budget!r}")
+        t = self.capture_timeout_s
+        _check(t > 0, "capture_timeout_s", f"must be > 0, got {t!r}")
+
+    @property
+    def uses_decode_graphs(self) -> bool:
+        """Whether decode steps are captured at all."""
+        return self.enabled and self.capture in ("both", "decode") and self.decode.backend != "eager"
+
+    @property
+    def uses_prefill_graphs(self) -> bool:
+        """Whether prefill chunks are captured at all."""
+        return self.enabled and self.capture in ("both", "prefill") and self.prefill.backend != "eager"
+
+    def resolved_memory_budget(self, free_bytes: int) -> int | None:
+        """``memory_budget`` in bytes given the currently free device memory; None = no cap."""
+        if self.memory_budget is None:
+            return None
+        if isinstance(self.memory_budget, float):
+            return int(self.memory_budget * free_bytes)
+        return parse_bytes(self.memory_budget)
