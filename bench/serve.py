@@ -102,14 +102,12 @@ def in_process_decode(path: Path, overrides: list[str], batch: int, context: int
     return {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step}
 
 
-def start_app(path: Path, overrides: list[str], model_name: str) -> str:
-    """Ray (127.0.0.1), Serve and the app over ``path``; returns the base URL."""
+def start_serve() -> int:
+    """A local Ray (127.0.0.1) and Serve on a free port of 127.0.0.1; returns the port."""
     import socket
 
     import ray
     from ray import serve
-
-    from deploy.serve_app import app_builder
 
     # Every rank and the replica take one logical CPU: a small machine must still place them.
     ray.init(_node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, 8),
@@ -118,6 +116,16 @@ def start_app(path: Path, overrides: list[str], model_name: str) -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def start_app(path: Path, overrides: list[str], model_name: str) -> str:
+    """Ray, Serve (:func:`start_serve`) and the app over ``path``; returns the base URL."""
+    from ray import serve
+
+    from deploy.serve_app import app_builder
+
+    port = start_serve()
     app = app_builder({"model": str(path), "overrides": overrides, "model_name": model_name,
                        "fleet": {"name": "bench"}})
     serve.run(app, name="graphfleet", route_prefix="/", blocking=False)

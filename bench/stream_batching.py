@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve import CPU_OVERRIDES, _get, in_process_decode, wait_healthy  # noqa: E402
+from bench.serve import CPU_OVERRIDES, _get, in_process_decode, start_serve, wait_healthy  # noqa: E402
 from bench.serve_load import random_prompts, run_load, steady_decode_rate, summarize  # noqa: E402
 
 
@@ -106,14 +106,7 @@ def main() -> None:
     overrides = ([] if torch.cuda.is_available() else list(CPU_OVERRIDES)) + [
         f"scheduler.max_running_requests={max(args.batch, 8)}", *args.set]
     in_process = in_process_decode(path, overrides, args.batch, args.input_len, repeats=20)
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, 8),
-             num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_serve()
     rows = []
     try:
         for i, ms in enumerate(float(v) for v in args.intervals.split(",")):
