@@ -5,12 +5,12 @@ it; only then does it wait for step N. The hop to the ranks and the engine's hos
 the ranks' compute, so with ``Executor.submit`` queueing steps (a worker group) a rank starts
 step N+1 as soon as step N ends.
 
-A decode row of step N+1 whose input token is step N's sample carries a placeholder and
+A decode row of step N+1 whose input token is step N's sample carries a stand-in 0 and
 ``from_previous`` names the sampled row of step N it comes from; every rank fills it from the
 tokens it sampled itself (all ranks sample the same). Invariants:
 
 - At most two steps are in flight inside :func:`async_step` and one between calls; steps run
-  in the order they are sent, so step N+1's placeholders always refer to step N.
+  in the order they are sent, so step N+1's stand-in inputs always refer to step N.
 - ``Request.num_pending`` counts a request's tokens sampled by steps in flight; the scheduler
   sees ``seq_len = num_tokens + num_pending`` and sends no step for a request whose pending
   tokens already end it by length. A request that ends on EOS or a stop string when step N is

@@ -87,7 +87,7 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
                        previous_rows: dict[int, int] | None = None) -> StepMessage:
     """Flatten a scheduled batch; ``seeds`` are those of the rows that sample, in order.
 
-    A request with a token in flight (``num_pending``) gets a placeholder input filled by the
+    A request with a token in flight (``num_pending``) gets a stand-in input (0) overwritten by the
     ranks from the previous step's sampled row ``previous_rows[id(request)]``.
     """
     ids: list[int] = []
