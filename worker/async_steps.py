@@ -49,7 +49,6 @@ class InFlightStep:
     sent: PendingStep
     sampled: list[tuple[Request, int]]  # per sampled row: the request and its preemption count when sent
     rows: dict[int, int]  # id(request) -> its sampled row (the next step's ``previous_rows``)
-    send_s: float  # scheduling, building and sending it
     held: list[int] = field(default_factory=list)  # pages freed while it was the newest step in flight
 
 
@@ -66,7 +65,7 @@ def async_step(engine: Engine) -> list[RequestEvent]:
             sent = engine.executor.submit(msg)
         except (ExecutorFailed, ExecutorUnavailable) as e:
             return _lost(engine, e, previous)
-        current = _mark_sent(batch, sent, time.perf_counter() - start)
+        current = _mark_sent(batch, sent)
         allocator.hold()
     # Pages freed since the last look were freed while ``previous`` was the newest step in flight.
     held = allocator.take_held()
@@ -82,7 +81,7 @@ def async_step(engine: Engine) -> list[RequestEvent]:
     return _read_back(engine, previous, start)
 
 
-def _mark_sent(batch: ScheduledBatch, sent: PendingStep, send_s: float) -> InFlightStep:
+def _mark_sent(batch: ScheduledBatch, sent: PendingStep) -> InFlightStep:
     sampled, rows = [], {}
     for req, n, sample_row in zip(batch.requests, batch.num_new, batch.sample):
         req.num_computed += n
@@ -91,7 +90,7 @@ def _mark_sent(batch: ScheduledBatch, sent: PendingStep, send_s: float) -> InFli
             sampled.append((req, req.num_preemptions))
             req.num_pending += 1
             req.prefilling = False  # its next step decodes the token in flight
-    return InFlightStep(batch, sent, sampled, rows, send_s)
+    return InFlightStep(batch, sent, sampled, rows)
 
 
 def _read_back(engine: Engine, step: InFlightStep, start: float) -> list[RequestEvent]:
