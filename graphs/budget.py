@@ -185,9 +185,8 @@ def capture_within_budget(decode: DecodeGraphRunner | None, prefill: PrefillGrap
         else:
             runner.ladder = [runner.ladder[-1]]  # nothing captured: every pass reports not_captured
     report.resident_bytes = _resident(runners)
-    cuda = [r.backend.device for r in runners if r.backend.device.type == "cuda"]
-    if cuda:
-        release_warm_up_memory(cuda[0])
+    if runners:
+        release_warm_up_memory(runners[0].backend.device)
     log.info(report.line())
     for note in report.notes:
         log.info("graph plan: %s", note)

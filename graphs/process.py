@@ -72,8 +72,9 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
         return _streams[idx]
 
 
-def release_warm_up_memory(device: torch.device | int | None = None) -> None:
-    """Give the caching allocator's free blocks back to the driver at the end of a capture pass.
+def release_warm_up_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back to the driver at the end of a capture pass
+    (nothing to give back on a CPU device).
 
     Each shape's warm-up runs eagerly on the capture stream and allocates from the regular
     allocator (only captures allocate from the pool). Blocks cached for that stream serve no
@@ -81,7 +82,9 @@ def release_warm_up_memory(device: torch.device | int | None = None) -> None:
     this they stay reserved beside the graph pool: about one activation peak of the largest
     warm-up. Blocks of a live graph pool are never free to the allocator and are kept.
     """
-    torch.cuda.synchronize(_index(device))
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
 
 

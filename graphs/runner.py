@@ -86,8 +86,7 @@ class GraphRunner(ABC, Generic[Batch, Output]):
                                    f"(graphs.capture_timeout_s) at shape {size}")
             self.capture_one(size)
             bar(size)
-        if self.backend.device.type == "cuda":
-            release_warm_up_memory(self.backend.device)
+        release_warm_up_memory(self.backend.device)
         summary = CaptureSummary(self.phase, self.backend.name, len(self.backend.shapes), len(self.failed),
                                  time.perf_counter() - start, self.backend.resident_bytes)
         if self.metrics is not None:
