@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
-from cluster.fleet_request import FleetRequest
+from cluster.fleet_request import FleetRequest, is_final
 from worker.engine import RequestEvent, RequestOutput
 
 if TYPE_CHECKING:
@@ -123,16 +123,15 @@ class RequestHandle:
         ``interval_s`` of the last batch wait for the next. ``interval_s=0`` hands out what is
         ready whenever the reader wakes.
         """
-        loop = None
+        loop = asyncio.get_running_loop()
         last = None
         while not self._finished:
-            items = [await self._anext(wait_s)]
-            if last is not None and interval_s > 0:
+            first = await self._anext(wait_s)
+            if last is not None and interval_s > 0 and not is_final(first):
                 left = last + interval_s - loop.time()
-                if left > 0 and not any(getattr(i, "finished", False) for i in items):
+                if left > 0:
                     await self._sink.ahold(left)
-            items.extend(self._sink.drain())
-            loop = loop or asyncio.get_running_loop()
+            items = [first, *self._sink.drain()]
             last = loop.time()
             batch = [e for e in map(self._take, items) if e is not None]
             if batch:
