@@ -20,14 +20,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from deploy.config import Config
-from worker.async_steps import InFlightStep, async_step
 from worker.detokenizer import OutputText
-from worker.executor import Executor, ExecutorFailed, ExecutorUnavailable
+from worker.executor import Executor
 from worker.kv_cache import PageAllocator
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
-from worker.step import build_step_message
+from worker.stepping import InFlightStep, async_step, sync_step
 from worker.tokenizer import Tokenizer
 from worker.worker import Worker
 
@@ -257,39 +256,9 @@ class Engine:
         """Run one prefill or decode batch; returns the events of the requests it advanced.
 
         With ``scheduler.async_scheduling`` a call sends the next batch and then reads back the one
-        sent by the call before (see :mod:`worker.async_steps`): its events are that batch's.
+        sent by the call before (see :mod:`worker.stepping`): its events are that batch's.
         """
-        if self.async_scheduling:
-            return async_step(self)
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        start = time.perf_counter()
-        msg = build_step_message(batch, [r.seed for r, s in zip(batch.requests, batch.sample) if s])
-        executed = time.perf_counter()
-        try:
-            result = self.executor.execute(msg)
-        except ExecutorFailed as e:
-            # The KV of every running request is gone with the failed executor: recompute them.
-            n = self.scheduler.preempt_all()
-            log.error("step failed (%s); %d running requests re-queued for recomputation", e, n)
-            return []
-        except ExecutorUnavailable as e:
-            log.error("no executor (%s); ending %d requests with an error", e, len(self.requests))
-            return self._fail_all(str(e))
-        execute_s = time.perf_counter() - executed
-        for req, n in zip(batch.requests, batch.num_new):
-            req.num_computed += n
-        events: list[RequestEvent] = []
-        if result.token_ids:
-            tokens = result.token_ids
-            logprobs = result.logprobs if result.logprobs is not None else [None] * len(tokens)
-            sampled = [r for r, s in zip(batch.requests, batch.sample) if s]
-            for req, tok, lp in zip(sampled, tokens, logprobs):
-                events.append(self._append_token(req, tok, lp))
-        self.step_stats.append(StepStats("prefill" if batch.is_prefill else "decode", batch.size,
-                                         batch.num_tokens, time.perf_counter() - start, execute_s, result.rank_s))
-        return events
+        return async_step(self) if self.async_scheduling else sync_step(self)
 
     def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestEvent:
         req.prefilling = False

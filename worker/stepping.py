@@ -1,9 +1,14 @@
-"""Async scheduling: the engine sends step N+1 before it reads step N's tokens back.
+"""How the engine sends steps and reads them back: at once, or one step ahead (async scheduling).
 
-While the ranks compute step N, the engine schedules step N+1, builds its message and sends
-it; only then does it wait for step N. The hop to the ranks and the engine's host work overlap
-the ranks' compute, so with ``Executor.submit`` queueing steps (a worker group) a rank starts
-step N+1 as soon as step N ends.
+Both modes share one path: a scheduled batch is sent (``Executor.submit``) and marked in flight
+on its requests, then read back (tokens appended, events made, stats kept). Synchronously
+(:func:`sync_step`) the read-back follows the send at once.
+
+With ``scheduler.async_scheduling`` (:func:`async_step`) the engine sends step N+1 before it
+reads step N's tokens back: while the ranks compute step N, the engine schedules step N+1,
+builds its message and sends it; only then does it wait for step N. The hop to the ranks and
+the engine's host work overlap the ranks' compute, so with ``Executor.submit`` queueing steps
+(a worker group) a rank starts step N+1 as soon as step N ends.
 
 A decode row of step N+1 whose input token is step N's sample carries a stand-in 0 and
 ``from_previous`` names the sampled row of step N it comes from; every rank fills it from the
@@ -49,7 +54,21 @@ class InFlightStep:
     sent: PendingStep
     sampled: list[tuple[Request, int]]  # per sampled row: the request and its preemption count when sent
     rows: dict[int, int]  # id(request) -> its sampled row (the next step's ``previous_rows``)
+    sent_at: float  # time.perf_counter() when it was handed to the executor
     held: list[int] = field(default_factory=list)  # pages freed while it was the newest step in flight
+
+
+def sync_step(engine: Engine) -> list[RequestEvent]:
+    """Send the next batch (if any) and read it back; its events."""
+    batch = engine.scheduler.schedule()
+    if batch is None:
+        return []
+    start = time.perf_counter()
+    try:
+        step = _send(engine, batch, None)
+    except (ExecutorFailed, ExecutorUnavailable) as e:
+        return _lost(engine, e)
+    return _read_back(engine, step, start, waited_from=step.sent_at)
 
 
 def async_step(engine: Engine) -> list[RequestEvent]:
@@ -59,13 +78,10 @@ def async_step(engine: Engine) -> list[RequestEvent]:
     batch = engine.scheduler.schedule()
     current = None
     if batch is not None:
-        seeds = [r.seed for r, s in zip(batch.requests, batch.sample) if s]
-        msg = build_step_message(batch, seeds, previous_rows=previous.rows if previous is not None else None)
         try:
-            sent = engine.executor.submit(msg)
+            current = _send(engine, batch, previous)
         except (ExecutorFailed, ExecutorUnavailable) as e:
             return _lost(engine, e, previous)
-        current = _mark_sent(batch, sent)
         allocator.hold()
     # Pages freed since the last look were freed while ``previous`` was the newest step in flight.
     held = allocator.take_held()
@@ -81,7 +97,12 @@ def async_step(engine: Engine) -> list[RequestEvent]:
     return _read_back(engine, previous, start)
 
 
-def _mark_sent(batch: ScheduledBatch, sent: PendingStep) -> InFlightStep:
+def _send(engine: Engine, batch: ScheduledBatch, previous: InFlightStep | None) -> InFlightStep:
+    """Send ``batch`` (its inputs in flight come from ``previous``) and mark it on its requests."""
+    seeds = [r.seed for r, s in zip(batch.requests, batch.sample) if s]
+    msg = build_step_message(batch, seeds, previous_rows=previous.rows if previous is not None else None)
+    sent_at = time.perf_counter()
+    sent = engine.executor.submit(msg)
     sampled, rows = [], {}
     for req, n, sample_row in zip(batch.requests, batch.num_new, batch.sample):
         req.num_computed += n
@@ -90,13 +111,16 @@ def _mark_sent(batch: ScheduledBatch, sent: PendingStep) -> InFlightStep:
             sampled.append((req, req.num_preemptions))
             req.num_pending += 1
             req.prefilling = False  # its next step decodes the token in flight
-    return InFlightStep(batch, sent, sampled, rows)
+    return InFlightStep(batch, sent, sampled, rows, sent_at)
 
 
-def _read_back(engine: Engine, step: InFlightStep, start: float) -> list[RequestEvent]:
+def _read_back(engine: Engine, step: InFlightStep, start: float, waited_from: float | None = None,
+               ) -> list[RequestEvent]:
+    """Wait for ``step``'s tokens (``execute_s`` counts from ``waited_from``, else from now) and
+    hand them to their requests; ``start`` is when this engine step began."""
     from worker.engine import StepStats
 
-    waited = time.perf_counter()
+    waited = time.perf_counter() if waited_from is None else waited_from
     try:
         result = step.sent.result()
     except (ExecutorFailed, ExecutorUnavailable) as e:
