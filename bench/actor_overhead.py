@@ -32,7 +32,7 @@ from cluster.group import WorkerGroup  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
-from worker.step import StepMessage, StepResult  # noqa: E402
+from worker.step_message import StepMessage, StepResult  # noqa: E402
 
 
 @ray.remote(num_cpus=1)

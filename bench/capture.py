@@ -33,10 +33,10 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str) -> dict:
     from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
     from worker.attention.base import AttentionBatch
     from worker.attention.factory import create_attention_backend
-    from worker.graph_steps import CompiledPrefillStep, ModelPrefillStep
     from worker.kv_cache import KVCacheShape, PagedKVCache
     from worker.model.kernels import select_kernels
     from worker.model.loader import load_model
+    from worker.model_steps import CompiledPrefillStep, ModelPrefillStep
 
     cuda = torch.device("cuda")
     model, arch = load_model(path, torch.bfloat16, cuda, kernels=select_kernels(cuda))

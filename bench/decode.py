@@ -29,10 +29,10 @@ from graphs.buckets import default_decode_ladder  # noqa: E402
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch  # noqa: E402
 from worker.attention.base import AttentionBatch  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
-from worker.graph_steps import ModelDecodeStep  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
+from worker.model_steps import ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
 

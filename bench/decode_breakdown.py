@@ -27,7 +27,7 @@ from bench.decode import Setup, timed  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from graphs.backends import create_backend  # noqa: E402
 from graphs.decode import DecodeGraphRunner  # noqa: E402
-from worker.graph_steps import ModelDecodeStep  # noqa: E402
+from worker.model_steps import ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
 

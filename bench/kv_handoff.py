@@ -38,18 +38,18 @@ def handoff_times(transport, prefill, decode, pages: list[int], tokens: int, rep
     exports, imports, totals = [], [], []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        payload = transport.export(prefill, pages, tokens)
+        payload = transport.export_kv(prefill, pages, tokens)
         refs = [s for s in payload.shards if isinstance(s, ray.ObjectRef)]  # nccl: staged on the device
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         exported = time.perf_counter()
-        transport.import_(decode, pages, payload, timeout_s)
+        transport.import_kv(decode, pages, payload, timeout_s)
         done = time.perf_counter()
         if i:
             exports.append(exported - start)
             imports.append(done - exported)
         # End to end without waiting in between (what the fleet does).
         start = time.perf_counter()
-        transport.import_(decode, pages, transport.export(prefill, pages, tokens), timeout_s)
+        transport.import_kv(decode, pages, transport.export_kv(prefill, pages, tokens), timeout_s)
         if i:
             totals.append(time.perf_counter() - start)
     return statistics.median(exports), statistics.median(imports), statistics.median(totals)

@@ -32,10 +32,10 @@ from graphs.backends import create_backend  # noqa: E402
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner  # noqa: E402
 from worker.attention.base import AttentionBatch  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
-from worker.graph_steps import CompiledPrefillStep, ModelPrefillStep, pad_prefill_batch  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
+from worker.model_steps import CompiledPrefillStep, ModelPrefillStep, pad_prefill_batch  # noqa: E402
 
 CUDA = torch.device("cuda")
 SLOTS = 4

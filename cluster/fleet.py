@@ -27,7 +27,7 @@ import ray
 
 from cluster.fleet_config import FleetConfig
 from cluster.fleet_group import FleetWorkerGroup
-from cluster.fleet_loop import FleetLoop, GroupSlot
+from cluster.fleet_loop import FleetLoop, FleetMember
 from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
@@ -35,7 +35,8 @@ from cluster.rank import GroupState, GroupUnavailable
 from cluster.request_handle import FleetClosed, RequestHandle
 from cluster.router import Overloaded, Router
 from deploy.config import Config
-from worker.engine import Engine, RequestEvent, RequestOutput
+from worker.engine import Engine
+from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams
 from worker.tokenizer import Tokenizer
@@ -47,18 +48,18 @@ __all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
 class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
 
-    def __init__(self, config: Config, fleet_config: FleetConfig, slots: list[GroupSlot], transport) -> None:
-        self.config, self.fleet_config, self.slots = config, fleet_config, slots
+    def __init__(self, config: Config, fleet_config: FleetConfig, members: list[FleetMember], transport) -> None:
+        self.config, self.fleet_config, self.members = config, fleet_config, members
         model_dir = Path(config.model.path)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        self.vocab_size = slots[0].engine.arch.vocab_size
+        self.vocab_size = members[0].engine.arch.vocab_size
         self.router = Router(config.cache.page_size, fleet_config.max_queued_requests)
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._closed = False
-        self._loop = FleetLoop(fleet_config, slots, self.router, transport, self._done)
+        self._loop = FleetLoop(fleet_config, members, self.router, transport, self._done)
         self.max_model_len = self._loop.max_model_len
         self._stop = threading.Event()
         self._loop._publish(time.monotonic())
@@ -103,18 +104,18 @@ class Fleet:
                 decode = [groups[g] for g, r in layout if r == "decode"]
                 _check_kv_layouts(prefill, decode, config.cluster.start_timeout_s)
                 transport.check(prefill, decode, config.cluster.start_timeout_s)
-            slots = [GroupSlot(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
+            members = [FleetMember(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
                      for gid, role in layout]
             # Every engine stops sequences at the fleet's shortest limit, so where a request runs
             # (and where it moves after a failure) never changes where it ends.
-            max_len = min(s.engine.max_model_len for s in slots)
-            for s in slots:
+            max_len = min(s.engine.max_model_len for s in members)
+            for s in members:
                 s.engine.max_model_len = max_len
         except BaseException:
             _shutdown_groups(list(groups.values()))
             raise
         log.info("fleet %s ready: %s", fcfg.name, ", ".join(f"{gid} ({role})" for gid, role in layout))
-        return cls(config, fcfg, slots, transport)
+        return cls(config, fcfg, members, transport)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """End every request with an error, stop the loop and shut every group down (idempotent)."""
@@ -122,7 +123,7 @@ class Fleet:
             self._closed = True
         self._stop.set()
         self._thread.join(timeout_s)
-        _shutdown_groups([s.group for s in self.slots])
+        _shutdown_groups([s.group for s in self.members])
 
     def __enter__(self) -> Fleet:
         return self
@@ -256,18 +257,18 @@ class Fleet:
 
         Ranks that are dead, restarting or busy past ``timeout_s`` (all ranks share it) are left out.
         """
-        return gather_rank_metrics([s.group for s in self.slots], timeout_s)
+        return gather_rank_metrics([s.group for s in self.members], timeout_s)
 
     def group(self, group_id: str) -> FleetWorkerGroup:
         """The worker group ``group_id`` (for probes and fault injection; do not drive it)."""
-        for s in self.slots:
+        for s in self.members:
             if s.group_id == group_id:
                 return s.group
-        raise KeyError(f"no group {group_id!r}; groups: {[s.group_id for s in self.slots]}")
+        raise KeyError(f"no group {group_id!r}; groups: {[s.group_id for s in self.members]}")
 
     @property
     def group_ids(self) -> list[str]:
-        return [s.group_id for s in self.slots]
+        return [s.group_id for s in self.members]
 
 
 def _events(handle: RequestHandle, wait_s: float | None) -> Iterator[RequestEvent]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from cluster.fleet_rank import FleetRankActor, rank_call
+from cluster.fleet_rank import FleetRankActor
 from cluster.group import WorkerGroup
 from cluster.rank import GroupUnavailable
 
@@ -23,4 +23,4 @@ class FleetWorkerGroup(WorkerGroup):
         actors = self.rank_actors()
         if not actors:
             raise GroupUnavailable(f"group {self.group_id} is {self.state.value}: {self.last_error}")
-        return ray.get([rank_call(a, "kv_layout") for a in actors], timeout=timeout_s)
+        return ray.get([a.kv_layout.remote() for a in actors], timeout=timeout_s)

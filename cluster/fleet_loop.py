@@ -29,13 +29,14 @@ from cluster.fleet_request import FleetRequest, Wakeups
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from cluster.router import GroupLoad, Router
-from worker.engine import Engine, RequestEvent
+from worker.engine import Engine
+from worker.outputs import RequestEvent
 from worker.request import Request, RequestRejected
 
 log = logging.getLogger(__name__)
 
 
-class GroupSlot:
+class FleetMember:
     """One group of the fleet: its worker group, its engine and its role."""
 
     def __init__(self, group_id: str, role: str, group, engine: Engine) -> None:
@@ -83,14 +84,14 @@ class GroupSlot:
 class FleetLoop:
     """State and steps of the loop thread (see the module docstring)."""
 
-    def __init__(self, config: FleetConfig, slots: list[GroupSlot], router: Router,
+    def __init__(self, config: FleetConfig, members: list[FleetMember], router: Router,
                  transport: KVTransport | None, on_done) -> None:
-        self.config, self.slots, self.router, self.transport = config, slots, router, transport
+        self.config, self.members, self.router, self.transport = config, members, router, transport
         self.on_done = on_done  # called with the request id when a request ends (any thread-side cleanup)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: dict[str, FleetRequest] = {}
-        self.max_model_len = min(s.engine.max_model_len for s in slots)
-        self.handoff_limit = sum(s.engine.config.scheduler.max_running_requests for s in slots if s.role == "decode")
+        self.max_model_len = min(s.engine.max_model_len for s in members)
+        self.handoff_limit = sum(s.engine.config.scheduler.max_running_requests for s in members if s.role == "decode")
         self.finished = 0
         self.failed = 0
         self.health: dict = {}
@@ -155,11 +156,11 @@ class FleetLoop:
 
     def _detach(self, fr: FleetRequest) -> None:
         """Take ``fr`` out of wherever it is (freeing its pages there)."""
-        slot = fr.slot
-        if slot is not None:
-            slot.engine.abort(fr.request_id)
-            slot.engine.release(fr.request_id)
-            fr.slot = None
+        member = fr.member
+        if member is not None:
+            member.engine.abort(fr.request_id)
+            member.engine.release(fr.request_id)
+            fr.member = None
         fr.payload = None
         for q in (self.router.queue, self.router.handoffs):
             if fr in q:
@@ -193,30 +194,31 @@ class FleetLoop:
     # ----- groups -----
 
     def _watch_groups(self, now: float) -> None:
-        for slot in self.slots:
-            slot.observe(now)
-            if slot.ready:
+        for member in self.members:
+            member.observe(now)
+            if member.ready:
                 continue
-            moved = [self.requests[r.request_id] for r in slot.unfinished() if r.request_id in self.requests]
-            if slot.role != "colocated":
+            moved = [self.requests[r.request_id] for r in member.unfinished() if r.request_id in self.requests]
+            if member.role != "colocated":
                 # The KV of every request in this group went with it: re-prefill them (oldest first).
-                why = f"group {slot.group_id} failed: {slot.group.last_error}"
+                why = f"group {member.group_id} failed: {member.group.last_error}"
                 for fr in reversed(moved):
                     self._requeue(fr, why)
                 if moved:
-                    log.warning("%d requests moved off %s (%s)", len(moved), slot.group_id, why)
-            elif slot.lost(now, self.config.lost_after_s):
+                    log.warning("%d requests moved off %s (%s)", len(moved), member.group_id, why)
+            elif member.lost(now, self.config.lost_after_s):
                 for fr in moved:
-                    self._end(fr, "error", f"group {slot.group_id} is dead and not restarting: {slot.group.last_error}")
+                    self._end(fr, "error",
+                              f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
         self._fail_unservable(now)
 
     def _role_lost(self, role: str, now: float) -> str | None:
         """Why no group of ``role`` can serve again (None while one is ready or restarting)."""
-        slots = [s for s in self.slots if s.role == role]
-        if not slots or not all(s.lost(now, self.config.lost_after_s) for s in slots):
+        members = [s for s in self.members if s.role == role]
+        if not members or not all(s.lost(now, self.config.lost_after_s) for s in members):
             return None
         return f"no {role} group is available: " + "; ".join(
-            f"{s.group_id} is dead ({s.group.last_error})" for s in slots)
+            f"{s.group_id} is dead ({s.group.last_error})" for s in members)
 
     def _fail_unservable(self, now: float) -> None:
         first = "prefill" if self.config.disaggregated else "colocated"
@@ -239,100 +241,100 @@ class FleetLoop:
     def _dispatch_prefill(self) -> None:
         if not self.router.queue or len(self.router.handoffs) >= max(1, self.handoff_limit):
             return
-        slots = {s.group_id: s for s in self.slots if s.role in ("prefill", "colocated")}
-        loads = [s.load() for s in slots.values()]
+        members = {s.group_id: s for s in self.members if s.role in ("prefill", "colocated")}
+        loads = [s.load() for s in members.values()]
         while self.router.queue:
             fr = self.router.queue[0]
             load = self.router.pick_prefill(loads, fr)
             if load is None:
                 return
             self.router.queue.popleft()
-            slot = slots[load.group_id]
-            export = functools.partial(self._export, slot, fr) if slot.role == "prefill" else None
+            member = members[load.group_id]
+            export = functools.partial(self._export, member, fr) if member.role == "prefill" else None
             try:
-                slot.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
+                member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
                                   output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
             except RequestRejected as e:
-                self._end(fr, "error", f"rejected by group {slot.group_id}: {e}")
+                self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
                 continue
-            fr.slot = slot
+            fr.member = member
             fr.attempts += 1
             if fr.holds_admission:
                 fr.holds_admission = False
                 self.router.gate.release()
             self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
 
-    def _export(self, slot: GroupSlot, fr: FleetRequest, req: Request) -> None:
+    def _export(self, member: FleetMember, fr: FleetRequest, req: Request) -> None:
         # Runs inside the prefill engine's step, before the request's pages are freed; must not raise.
         try:
-            fr.payload = self.transport.export(slot.group, list(req.pages), req.num_computed)
+            fr.payload = self.transport.export_kv(member.group, list(req.pages), req.num_computed)
         except Exception as e:  # noqa: BLE001 (any failure means: re-prefill this request)
             fr.payload = None
-            fr.last_failure = f"KV export from {slot.group_id} failed: {e}"
+            fr.last_failure = f"KV export from {member.group_id} failed: {e}"
 
     def _dispatch_handoffs(self) -> None:
         if not self.router.handoffs:
             return
-        slots = {s.group_id: s for s in self.slots if s.role == "decode"}
-        loads = [s.load() for s in slots.values()]
+        members = {s.group_id: s for s in self.members if s.role == "decode"}
+        loads = [s.load() for s in members.values()]
         while self.router.handoffs:
             fr = self.router.handoffs[0]
             load = self.router.pick_decode(loads, fr)
             if load is None:
                 return
             self.router.handoffs.popleft()
-            slot, payload = slots[load.group_id], fr.payload
+            member, payload = members[load.group_id], fr.payload
             fr.payload = None
-            import_kv = functools.partial(self._import, slot, payload)
+            import_kv = functools.partial(self._import, member, payload)
             try:
-                slot.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
+                member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
                                                   request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
             except KVTransferFailed as e:
                 if e.timed_out:  # its late writes could land in pages the group reuses
-                    slot.group.fail(str(e))
+                    member.group.fail(str(e))
                 self._requeue(fr, str(e))
                 continue
             except RequestRejected as e:
-                self._end(fr, "error", f"rejected by group {slot.group_id}: {e}")
+                self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
                 continue
-            fr.slot = slot
+            fr.member = member
             self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
 
-    def _import(self, slot: GroupSlot, payload, pages: list[int]) -> int:
-        return self.transport.import_(slot.group, pages, payload, self.config.handoff_timeout_s)
+    def _import(self, member: FleetMember, payload, pages: list[int]) -> int:
+        return self.transport.import_kv(member.group, pages, payload, self.config.handoff_timeout_s)
 
     # ----- stepping -----
 
     def _step_all(self) -> bool:
         stepped = False
-        for slot in self.slots:
-            if not slot.ready or not slot.engine.has_unfinished():
+        for member in self.members:
+            if not member.ready or not member.engine.has_unfinished():
                 continue
-            before = len(slot.engine.step_stats)
-            events = slot.engine.step()
-            stepped = stepped or bool(events) or len(slot.engine.step_stats) != before or slot.engine.in_flight
+            before = len(member.engine.step_stats)
+            events = member.engine.step()
+            stepped = stepped or bool(events) or len(member.engine.step_stats) != before or member.engine.in_flight
             for ev in events:
-                self._on_event(slot, ev)
+                self._on_event(member, ev)
             self.wakeups.flush()  # this group's tokens go out before the next group steps
         return stepped
 
-    def _on_event(self, slot: GroupSlot, ev: RequestEvent) -> None:
+    def _on_event(self, member: FleetMember, ev: RequestEvent) -> None:
         fr = self.requests.get(ev.request_id)
         if fr is None:  # ended meanwhile (cannot happen: ends detach from the engine first)
-            slot.engine.release(ev.request_id)
+            member.engine.release(ev.request_id)
             return
         if ev.finish_reason == "handoff":
-            slot.engine.release(ev.request_id)
-            fr.slot = None
+            member.engine.release(ev.request_id)
+            fr.member = None
             fr.deliver(RequestEvent(ev.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
             if fr.payload is None:
-                self._requeue(fr, fr.last_failure or f"KV export from {slot.group_id} failed")
+                self._requeue(fr, fr.last_failure or f"KV export from {member.group_id} failed")
             else:
                 self.router.handoffs.append(fr)
         elif ev.finished:
-            error = slot.engine.errors.get(ev.request_id) if ev.finish_reason == "error" else None
-            slot.engine.release(ev.request_id)
-            fr.slot = None
+            error = member.engine.errors.get(ev.request_id) if ev.finish_reason == "error" else None
+            member.engine.release(ev.request_id)
+            fr.member = None
             final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error)
             self._end(fr, ev.finish_reason, error, final)
         else:
@@ -342,7 +344,7 @@ class FleetLoop:
 
     def _publish(self, now: float) -> None:
         groups = {}
-        for s in self.slots:
+        for s in self.members:
             g = s.group
             groups[s.group_id] = {
                 "role": s.role, "state": s.health_state(now, self.config.lost_after_s), "phase": g.state.value,
@@ -351,7 +353,7 @@ class FleetLoop:
                 "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
             }
         states = {v["state"] for v in groups.values()}
-        roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.slots})
+        roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.members})
         status = "dead" if roles_lost else "ready" if states == {"ready"} else \
             "starting" if states <= {"ready", "starting", "capturing"} else "degraded"
         snapshot = {"status": status, "mode": self.config.mode, "groups": groups,

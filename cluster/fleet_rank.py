@@ -185,8 +185,3 @@ def _tensor_from_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, .
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "not writable": a read-only object-store buffer
         return torch.from_numpy(data).view(dtype).reshape(shape)
-
-
-def rank_call(handle, name: str, *args):
-    """``handle.<name>.remote(*args)`` on a :class:`FleetRankActor` handle; returns the ref."""
-    return getattr(handle, name).remote(*args)

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from worker.engine import RequestEvent, RequestOutput
+from worker.outputs import RequestEvent, RequestOutput
 from worker.sampling.params import SamplingParams
 
 
@@ -168,7 +168,7 @@ class FleetRequest:
 
     ``output_ids``/``logprobs``/``text`` are exactly what was delivered to the client, so a request
     moved to another group resumes from them (the group re-prefills prompt + output and samples
-    output token ``len(output_ids)`` with the same seed). At most one of ``slot`` (a group's engine
+    output token ``len(output_ids)`` with the same seed). At most one of ``member`` (a group's engine
     holds it) and ``payload`` (its KV waits for a decode group) is set; neither while it is queued.
     """
 
@@ -184,7 +184,7 @@ class FleetRequest:
     text: str = ""
     attempts: int = 0  # prefills started
     moves: int = 0  # times its KV was lost (group failure, failed hand-off) and it was requeued
-    slot: object = None
+    member: object = None
     payload: object = None
     holds_admission: bool = True  # counts against the router's queue bound until first dispatched
     last_failure: str | None = None

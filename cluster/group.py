@@ -9,8 +9,8 @@ ranks read, about 0.1 ms a step, where a Ray task per rank per step costs 1-3 ms
 does too). The ranks run compiled-graph steps on a thread of their own; the fleet never calls
 a rank's other methods while its step is in flight (metrics reads aside). Otherwise the message
 is put in Ray's object store once and each rank gets the same reference. A rank that
-dies or a step slower than ``cluster.step_timeout_s`` fails the whole incarnation: its ranks are
-killed, its placement group removed, and a fresh incarnation starts in the background.
+dies or a step slower than ``cluster.step_timeout_s`` fails the whole generation: its ranks are
+killed, its placement group removed, and a fresh generation starts in the background.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.rank import GroupFailed, GroupState, GroupUnavailable, RankInfo
 from cluster.rank_actor import RankActor
 from deploy.config import Config
-from worker.step import StepMessage, StepResult
+from worker.step_message import StepMessage, StepResult
 
 log = logging.getLogger(__name__)
 
 
-class _Incarnation:
-    """One started set of rank actors and their placement group."""
+class RankGeneration:
+    """One generation of a group: its started rank actors, their placement group and compiled step graph."""
 
     def __init__(self, group_id: str, generation: int, config: Config, role: str, actor_cls=RankActor) -> None:
         self.group_id, self.generation, self.config, self.role = group_id, generation, config, role
@@ -169,7 +169,7 @@ class WorkerGroup:
         self._cond = threading.Condition()
         self._state = GroupState.STARTING
         self._generation = 0
-        self._incarnation: _Incarnation | None = None
+        self._current: RankGeneration | None = None
         self._closed = False
         self.restarts = 0
         self.last_error: str | None = None
@@ -195,40 +195,40 @@ class WorkerGroup:
             self._on_state(self.group_id, state)
 
     def _start(self) -> None:
-        inc = _Incarnation(self.group_id, self._generation, self.config, self.role, self.rank_actor_cls)
+        gen = RankGeneration(self.group_id, self._generation, self.config, self.role, self.rank_actor_cls)
         self._set_state(GroupState.STARTING)
         try:
             fixed = self.num_pages if self._generation > 0 else None
-            self.arch, self.num_pages, self.max_len = inc.start(self._set_state, fixed)
+            self.arch, self.num_pages, self.max_len = gen.start(self._set_state, fixed)
         except (RayError, GroupUnavailable, RuntimeError) as e:
             self.last_error = f"start of generation {self._generation} failed: {e}"
             log.error("group %s: %s", self.group_id, self.last_error)
-            inc.kill()
+            gen.kill()
             self._set_state(GroupState.DEAD)
             return
         with self._cond:
             if self._closed:
-                inc.kill()
+                gen.kill()
                 return
-            self._incarnation = inc
+            self._current = gen
         self._set_state(GroupState.READY)
         log.info("group %s generation %d ready: %d ranks, %d KV pages", self.group_id, self._generation,
                  self.config.cluster.tp_size, self.num_pages)
 
     def fail(self, reason: str) -> None:
-        """Declare this incarnation dead (e.g. a KV import into it timed out and may still write);
+        """Declare this generation dead (e.g. a KV import into it timed out and may still write);
         it is killed and, with ``cluster.restart``, replaced in the background."""
         self._fail(reason)
 
     def _fail(self, reason: str) -> None:
-        """Kill the current incarnation and (if configured) start a fresh one in the background."""
+        """Kill the current generation and (if configured) start a fresh one in the background."""
         self.last_error = reason
         log.error("group %s generation %d dead: %s", self.group_id, self._generation, reason)
         with self._cond:
-            inc, self._incarnation = self._incarnation, None
+            gen, self._current = self._current, None
         self._set_state(GroupState.DEAD)
-        if inc is not None:
-            inc.kill()
+        if gen is not None:
+            gen.kill()
         if self.config.cluster.restart and not self._closed:
             self._generation += 1
             self.restarts += 1
@@ -258,58 +258,58 @@ class WorkerGroup:
         ``result()`` raises as :meth:`execute` does."""
         if not self.wait_ready(self.config.cluster.start_timeout_s):
             raise GroupUnavailable(f"group {self.group_id} is {self._state.value}: {self.last_error}")
-        inc = self._incarnation
+        gen = self._current
         try:
-            return _GroupStep(self, inc, inc.submit(msg))
+            return _GroupStep(self, gen, gen.submit(msg))
         except RayError as e:
-            self._step_failed(inc, e)
+            self._step_failed(gen, e)
 
-    def _collect(self, inc: _Incarnation, sent) -> StepResult:
+    def _collect(self, gen: RankGeneration, sent) -> StepResult:
         try:
-            return inc.collect(sent, self.config.cluster.step_timeout_s)
+            return gen.collect(sent, self.config.cluster.step_timeout_s)
         except RayError as e:
-            self._step_failed(inc, e)
+            self._step_failed(gen, e)
 
-    def _step_failed(self, inc: _Incarnation, error: RayError) -> NoReturn:
-        """Fail the incarnation a step failed on (a later step's failure of it is the same)."""
+    def _step_failed(self, gen: RankGeneration, error: RayError) -> NoReturn:
+        """Fail the generation a step failed on (a later step's failure of it is the same)."""
         first_line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if isinstance(error, (GetTimeoutError, RayChannelTimeoutError)):
             reason = f"step exceeded cluster.step_timeout_s={self.config.cluster.step_timeout_s}s"
         elif isinstance(error, RayActorError):
             reason = f"a rank died: {first_line}"
         elif isinstance(error, RayChannelError):
-            dead = inc.dead_ranks()
+            dead = gen.dead_ranks()
             reason = (f"a rank died: rank {', '.join(map(str, dead))} (compiled-graph channel closed)" if dead
                       else f"a rank failed the step: {first_line}")
         else:
             reason = f"a rank failed the step: {first_line}"
-        if inc is self._incarnation:
+        if gen is self._current:
             self._fail(reason)
         raise GroupFailed(f"group {self.group_id}: {reason}") from None
 
     def rank_actors(self) -> list:
         """The live rank actors (for health probes and fault-injection tests)."""
-        inc = self._incarnation
-        return list(inc.actors) if inc is not None else []
+        gen = self._current
+        return list(gen.actors) if gen is not None else []
 
     def shutdown(self) -> None:
         with self._cond:
             self._closed = True
-            inc, self._incarnation = self._incarnation, None
+            gen, self._current = self._current, None
             self._cond.notify_all()
-        if inc is not None:
-            inc.kill()
+        if gen is not None:
+            gen.kill()
         self._set_state(GroupState.DEAD)
 
 
 class _GroupStep:
-    """A step sent to one incarnation of a group; :meth:`result` waits for rank 0's tokens."""
+    """A step sent to one generation of a group; :meth:`result` waits for rank 0's tokens."""
 
-    def __init__(self, group: WorkerGroup, inc: _Incarnation, sent) -> None:
-        self._group, self._inc, self._sent = group, inc, sent
+    def __init__(self, group: WorkerGroup, gen: RankGeneration, sent) -> None:
+        self._group, self._gen, self._sent = group, gen, sent
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
         if self._result is None:
-            self._result = self._group._collect(self._inc, self._sent)
+            self._result = self._group._collect(self._gen, self._sent)
         return self._result

@@ -1,10 +1,10 @@
 """KV hand-off transports: how a prefill group's KV pages reach a decode group.
 
-One interface, :class:`KVTransport`: ``export`` starts copying a request's pages out of every rank
-of the prefill group and returns a :class:`KVPayload` at once; ``import_`` writes the payload into
+One interface, :class:`KVTransport`: ``export_kv`` starts copying a request's pages out of every rank
+of the prefill group and returns a :class:`KVPayload` at once; ``import_kv`` writes the payload into
 pages of a decode group (rank ``i`` receives rank ``i``'s shard) and blocks until every rank has.
 
-Ordering invariant (what makes freeing the prefill pages right after ``export`` safe): ``export``
+Ordering invariant (what makes freeing the prefill pages right after ``export_kv`` safe): ``export_kv``
 returns only once every rank has finished a device copy of the pages (``stage_pages``), so any
 later step's writes come after the copy; task order alone would not do, because compiled-graph
 steps run on another thread (and perhaps stream) of the rank than its Ray tasks. A timed-out
@@ -33,8 +33,6 @@ from typing import ClassVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-
-from cluster.fleet_rank import rank_call
 
 
 class KVTransportUnavailable(RuntimeError):
@@ -75,7 +73,7 @@ class KVTransport(ABC):
     stage_timeout_s: float = 60.0
 
     @abstractmethod
-    def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
         """Export ``pages`` from every rank of ``group``: returns once each rank holds a device copy."""
 
     def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
@@ -88,7 +86,7 @@ class KVTransport(ABC):
         if len(actors) != group.tp_size:
             raise KVTransferFailed(f"group {group.group_id} is {group.state.value}: cannot export KV")
         transfer_id = uuid.uuid4().hex
-        staged = [rank_call(a, "stage_pages", transfer_id, list(pages)) for a in actors]
+        staged = [a.stage_pages.remote(transfer_id, list(pages)) for a in actors]
         try:
             ray.get(staged, timeout=self.stage_timeout_s)
         except (GetTimeoutError, RayError) as e:
@@ -111,11 +109,11 @@ class KVTransport(ABC):
 
     def _import(self, method: str, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
         where, actors = self._targets(group, pages, payload)
-        return sum(_transfer([rank_call(a, method, list(pages), s) for a, s in zip(actors, payload.shards)],
+        return sum(_transfer([getattr(a, method).remote(list(pages), s) for a, s in zip(actors, payload.shards)],
                              timeout_s, where))
 
     @abstractmethod
-    def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
         """Write ``payload`` into ``pages`` on every rank of ``group``; returns bytes moved.
 
         Raises :class:`KVTransferFailed` naming the groups and the cause.
@@ -127,12 +125,12 @@ class ObjectStoreTransport(KVTransport):
 
     name = "object_store"
 
-    def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
         actors, transfer_id = self._stage(group, pages)
-        shards = tuple(rank_call(a, "take_staged", transfer_id) for a in actors)
+        shards = tuple(a.take_staged.remote(transfer_id) for a in actors)
         return KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
 
-    def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
         return self._import("import_pages", group, pages, payload, timeout_s)
 
 
@@ -154,18 +152,18 @@ class CudaIpcTransport(KVTransport):
                         f"kv_transport=cuda_ipc needs rank i of every prefill and decode group on one GPU: "
                         f"{p.group_id} is on {mine}, {gid} on {theirs}; use kv_transport=object_store")
 
-    def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
         actors, transfer_id = self._stage(group, pages)
-        shards = tuple(rank_call(a, "share_staged", transfer_id) for a in actors)
+        shards = tuple(a.share_staged.remote(transfer_id) for a in actors)
         payload = KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
         weakref.finalize(payload, _drop_staged, actors, transfer_id)  # the senders keep the copies until then
         return payload
 
-    def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
         return self._import("import_shared", group, pages, payload, timeout_s)
 
 
-class P2PTransport(KVTransport):
+class NcclTransport(KVTransport):
     """Point-to-point between matching ranks: NCCL between GPU ranks (gloo between CPU ranks)."""
 
     name = "nccl"
@@ -187,26 +185,26 @@ class P2PTransport(KVTransport):
                         f"kv_transport=nccl: rank {shared[0]} of {p.group_id} and of {gid} share one GPU, and NCCL "
                         "cannot pair two ranks on one device; use kv_transport=cuda_ipc")
 
-    def export(self, group, pages: list[int], num_tokens: int) -> KVPayload:
+    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
         actors, transfer_id = self._stage(group, pages)
         payload = KVPayload(self.name, group.group_id, tuple((a, transfer_id) for a in actors), len(pages),
                             num_tokens)
         weakref.finalize(payload, _drop_staged, actors, transfer_id)
         return payload
 
-    def import_(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
+    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
         where, actors = self._targets(group, pages, payload)
         pairs = [(src, dst, self._pair(src, dst, timeout_s, where)) for (src, _), dst in zip(payload.shards, actors)]
         refs = []
         for (src, transfer_id), (_, dst, pair_id) in zip(payload.shards, pairs):
-            refs += [rank_call(src, "p2p_send", pair_id, transfer_id), rank_call(dst, "p2p_recv", pair_id, list(pages))]
+            refs += [src.p2p_send.remote(pair_id, transfer_id), dst.p2p_recv.remote(pair_id, list(pages))]
         try:
             return sum(_transfer(refs, timeout_s, where)) // 2  # each byte is counted by its sender and receiver
         except KVTransferFailed:
             for src, dst, pair_id in pairs:  # a failed transfer leaves the pair unusable: rebuild it next time
                 self._pairs.pop((src._actor_id.hex(), dst._actor_id.hex()), None)
                 for a in (src, dst):
-                    rank_call(a, "p2p_close", pair_id)
+                    a.p2p_close.remote(pair_id)
             raise
 
     def _pair(self, src, dst, timeout_s: float, where: str) -> str:
@@ -215,12 +213,12 @@ class P2PTransport(KVTransport):
             return self._pairs[key]
         pair_id = f"kv-{uuid.uuid4().hex[:12]}"
         try:
-            host, port = ray.get(rank_call(src, "pair_address"), timeout=timeout_s)
-            _get_failing_fast([rank_call(src, "p2p_open", pair_id, host, port, 0, timeout_s),
-                               rank_call(dst, "p2p_open", pair_id, host, port, 1, timeout_s)], timeout_s)
+            host, port = ray.get(src.pair_address.remote(), timeout=timeout_s)
+            _get_failing_fast([src.p2p_open.remote(pair_id, host, port, 0, timeout_s),
+                               dst.p2p_open.remote(pair_id, host, port, 1, timeout_s)], timeout_s)
         except (GetTimeoutError, RayError) as e:
             for a in (src, dst):
-                rank_call(a, "p2p_close", pair_id)
+                a.p2p_close.remote(pair_id)
             raise KVTransferFailed(f"{where}: opening the point-to-point pair failed: {describe_ray_error(e)}") \
                 from None
         self._pairs[key] = pair_id
@@ -229,7 +227,7 @@ class P2PTransport(KVTransport):
 
 def _device_uuids(group, timeout_s: float) -> list[str | None]:
     """Each rank's GPU UUID, in rank order (None for a CPU rank)."""
-    return ray.get([rank_call(a, "device_uuid") for a in group.rank_actors()], timeout=timeout_s)
+    return ray.get([a.device_uuid.remote() for a in group.rank_actors()], timeout=timeout_s)
 
 
 def _transfer(refs: list, timeout_s: float, where: str) -> list:
@@ -261,7 +259,7 @@ def _get_failing_fast(refs: list, timeout_s: float) -> list:
 def _drop_staged(actors: list, transfer_id: str) -> None:
     for a in actors:
         try:
-            rank_call(a, "drop_staged", transfer_id)
+            a.drop_staged.remote(transfer_id)
         except Exception:  # noqa: BLE001 - a dead rank has dropped everything already
             pass
 
@@ -278,7 +276,7 @@ def describe_ray_error(e: BaseException) -> str:
 
 
 TRANSPORTS: dict[str, type[KVTransport]] = {t.name: t for t in (ObjectStoreTransport, CudaIpcTransport,
-                                                                  P2PTransport)}
+                                                                  NcclTransport)}
 
 
 def create_transport(name: str) -> KVTransport:

@@ -19,7 +19,7 @@ class GroupState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Rank ``rank`` of ``world_size`` in group ``group_id`` (incarnation ``generation``)."""
+    """Rank ``rank`` of ``world_size`` in group ``group_id`` (generation ``generation``)."""
 
     group_id: str
     generation: int

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from cluster.rank import RankInfo
 from deploy.config import Config
-from worker.step import StepMessage, StepResult
+from worker.step_message import StepMessage, StepResult
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,8 +56,9 @@ class RankActor:
         from worker.worker import Worker
 
         world = self.info.world_size
-        forced = self.config.cluster.collectives_at_tp1
-        tp = TensorParallel(self.info.rank, world, dist.group.WORLD if world > 1 or forced else None, forced)
+        collectives_at_tp1 = self.config.cluster.collectives_at_tp1
+        tp = TensorParallel(self.info.rank, world, dist.group.WORLD if world > 1 or collectives_at_tp1 else None,
+                            collectives_at_tp1)
         labels = {"group": self.info.group_id, "rank": str(self.info.rank), "role": self.info.role}
         self.worker = Worker(self.config, tp, metric_labels=labels)
         return self.worker.available_pages()

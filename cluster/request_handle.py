@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 from cluster.fleet_request import FleetRequest, is_final
-from worker.engine import RequestEvent, RequestOutput
+from worker.outputs import RequestEvent, RequestOutput
 
 if TYPE_CHECKING:
     from cluster.fleet import Fleet

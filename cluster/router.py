@@ -3,7 +3,7 @@
 The router holds two FIFO queues, both owned by the fleet's loop thread: ``queue`` (requests
 waiting for a prefill-capable group: new ones, and ones moved off a failed group) and
 ``handoffs`` (prefilled requests whose KV waits for a decode group). A group is chosen as late
-as possible, when it can take the request now: among ready groups with a free request slot and
+as possible, when it can take the request now: among ready groups with room for another running request and
 enough free KV pages (keeping one page of headroom per running request, as the scheduler does),
 the one with the fewest outstanding tokens. The decode group is chosen at hand-off time, not at
 admission, so it reflects the decode load when the KV is ready.

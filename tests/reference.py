@@ -11,7 +11,7 @@ from worker.model_runner import ModelRunner
 from worker.request import Request
 from worker.sampling.params import SamplingParams
 from worker.scheduler import ScheduledBatch
-from worker.step import build_step_message
+from worker.step_message import build_step_message
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

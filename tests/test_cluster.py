@@ -16,7 +16,7 @@ from worker.engine import Engine  # noqa: E402
 from worker.model.linear import qkv_sources  # noqa: E402
 from worker.model.parallel import TensorParallel  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
-from worker.step import StepMessage  # noqa: E402
+from worker.step_message import StepMessage  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from deploy.config import load_config  # noqa: E402
 from graphs.buckets import default_decode_ladder  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
-from worker.step import StepMessage  # noqa: E402
+from worker.step_message import StepMessage  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

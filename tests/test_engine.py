@@ -190,7 +190,7 @@ def test_step_message_wire_form_round_trips():
 
     from ray import cloudpickle
 
-    from worker.step import StepMessage
+    from worker.step_message import StepMessage
 
     shared = SamplingParams(max_tokens=9, temperature=0.7, top_k=5, stop=["a", "bc"], stop_token_ids=[3])
     own = SamplingParams(max_tokens=4, seed=2**64 - 1, logprobs=True)

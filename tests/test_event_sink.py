@@ -11,7 +11,7 @@ import pytest
 
 from cluster.fleet_request import EventSink, FleetRequest, Wakeups
 from cluster.request_handle import RequestHandle
-from worker.engine import RequestEvent
+from worker.outputs import RequestEvent
 from worker.sampling.params import SamplingParams
 
 

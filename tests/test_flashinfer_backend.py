@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionBatch, AttentionShape, slot_mapping
+from worker.attention.base import AttentionBatch, AttentionShape, kv_write_locations
 from worker.attention.flashinfer_backend import INSTALL_HINT, FlashInferBackend, build_metadata
 from worker.kv_cache import KVCacheShape, PagedKVCache
 
@@ -97,9 +97,9 @@ def check(backend: FlashInferBackend, batch: AttentionBatch, q, k, v, out: torch
     torch.cuda.synchronize()
     cache = backend.kv_cache.layer(LAYER)
     n = real_rows(batch)
-    slots = torch.tensor(slot_mapping(batch, PAGE)[:n], device="cuda")
-    assert torch.equal(cache[slots // PAGE, 0, slots % PAGE], k[:n]), "K not stored at the planned slots"
-    assert torch.equal(cache[slots // PAGE, 1, slots % PAGE], v[:n]), "V not stored at the planned slots"
+    locations = torch.tensor(kv_write_locations(batch, PAGE)[:n], device="cuda")
+    assert torch.equal(cache[locations // PAGE, 0, locations % PAGE], k[:n]), "K not stored at the planned locations"
+    assert torch.equal(cache[locations // PAGE, 1, locations % PAGE], v[:n]), "V not stored at the planned locations"
     assert out.shape == (batch.num_tokens, HQ, D) and out.dtype == DTYPE
     torch.testing.assert_close(out[:n].float(), reference(cache, batch, q)[:n], **TOL)
 
@@ -121,12 +121,12 @@ def capture(backend: FlashInferBackend, q, k, v) -> tuple[torch.cuda.CUDAGraph, 
 
 def test_metadata_sentinel_rows_are_empty_requests():
     batch = AttentionBatch(True, [33, 0, 16, 5], [13, 0, 16, 5], [[7, 3, 9], [], [2, 8], [4]], 36)
-    qo, kv, last, indices, slots = build_metadata(batch, PAGE)
+    qo, kv, last, indices, locations = build_metadata(batch, PAGE)
     assert qo == [0, 13, 13, 29, 34]
     assert kv == [0, 3, 3, 4, 5]
     assert last == [1, 0, 16, 5]
     assert indices == [7, 3, 9, 2, 4]  # only the pages covering seq_len
-    assert slots == slot_mapping(batch, PAGE) and len(slots) == 36
+    assert locations == kv_write_locations(batch, PAGE) and len(locations) == 36
     # flashinfer's kv length: 0 without pages, else (pages - 1) * page_size + last_page_len
     lengths = [0 if kv[i + 1] == kv[i] else (kv[i + 1] - kv[i] - 1) * PAGE + last[i] for i in range(4)]
     assert lengths == batch.seq_lens
@@ -193,7 +193,7 @@ def test_decode_cuda_graph_replays_after_replanning(flashinfer):
         graph.replay()
         check(backend, batch, q, k, v, out)
         eager.plan(batch)
-        expected = eager.run(LAYER, q, k, v)  # rewrites the same K/V at the same slots
+        expected = eager.run(LAYER, q, k, v)  # rewrites the same K/V at the same locations
         n = real_rows(batch)
         torch.testing.assert_close(out[:n].float(), expected[:n].float(), **TOL)
 

@@ -203,7 +203,7 @@ def test_colocated_matches_engine(ray_local, path, reference):
 def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
     health = disagg.health()
     assert health["status"] == "ready"
-    assert {s.role: s.engine.async_scheduling for s in disagg.slots} == {"prefill": False, "decode": True}
+    assert {s.role: s.engine.async_scheduling for s in disagg.members} == {"prefill": False, "decode": True}
     assert {g: v["role"] for g, v in health["groups"].items()} == {"dis-p0": "prefill", "dis-d0": "decode"}
     prompts = _prompts(6, seed=2)
     outs = disagg.generate(prompts, GREEDY, timeout_s=120)

@@ -17,7 +17,7 @@ from graphs.metrics import GraphMetrics
 from tests.graph_harness import RandomDecodeBatch, eager_logits, fill_cache_randomly, random_decode_batch
 from tests.reference import OwnModel, rel_err
 from worker.engine import Engine
-from worker.graph_steps import ModelDecodeStep, pad_decode_batch
+from worker.model_steps import ModelDecodeStep, pad_decode_batch
 from worker.sampling.params import SamplingParams
 
 

@@ -18,8 +18,8 @@ from tests.graph_harness import eager_logits, fill_cache_randomly, random_decode
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
 from worker.engine import Engine
-from worker.graph_steps import ModelDecodeStep
 from worker.model.kernels import select_kernels
+from worker.model_steps import ModelDecodeStep
 from worker.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefil
 from tests.reference import OwnModel, rel_err
 from worker.attention.base import AttentionBatch
 from worker.engine import Engine
-from worker.graph_steps import ModelPrefillStep, pad_prefill_batch
+from worker.model_steps import ModelPrefillStep, pad_prefill_batch
 from worker.sampling.params import SamplingParams
 
 

@@ -15,8 +15,8 @@ from graphs.process import capture_stream, pool_bytes
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
-from worker.graph_steps import CompiledPrefillStep, ModelPrefillStep
 from worker.model.kernels import select_kernels
+from worker.model_steps import CompiledPrefillStep, ModelPrefillStep
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

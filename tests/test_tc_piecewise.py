@@ -21,7 +21,7 @@ from worker.attention.splitting import SPLITTING_OPS
 from worker.checkpoint import write_checkpoint
 from worker.checkpoint.catalog import get_preset
 from worker.engine import Engine
-from worker.graph_steps import CompiledPrefillStep
+from worker.model_steps import CompiledPrefillStep
 from worker.sampling.params import SamplingParams
 
 CPU = torch.device("cpu")

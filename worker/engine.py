@@ -14,7 +14,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -23,51 +22,15 @@ from deploy.config import Config
 from worker.detokenizer import OutputText
 from worker.executor import Executor
 from worker.kv_cache import PageAllocator
+from worker.outputs import RequestEvent, RequestOutput, StepStats
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
-from worker.stepping import InFlightStep, async_step, sync_step
+from worker.step_pipeline import InFlightStep, async_step, sync_step
 from worker.tokenizer import Tokenizer
 from worker.worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one engine step did (kept for metrics)."""
-
-    phase: str
-    batch_size: int
-    num_tokens: int
-    duration_s: float  # the whole step: build the message, execute, read the tokens back, events
-    execute_s: float = 0.0  # the executor's execute call as the engine saw it
-    rank_s: float = 0.0  # of which the rank's own Worker.execute (the rest is the hop to the rank)
-
-
-@dataclass(frozen=True)
-class RequestEvent:
-    """Progress of one request in one step: new tokens, the text they completed, and finish."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[float] | None
-    num_preemptions: int
-    error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
 
 
 class Engine:
@@ -256,7 +219,7 @@ class Engine:
         """Run one prefill or decode batch; returns the events of the requests it advanced.
 
         With ``scheduler.async_scheduling`` a call sends the next batch and then reads back the one
-        sent by the call before (see :mod:`worker.stepping`): its events are that batch's.
+        sent by the call before (see :mod:`worker.step_pipeline`): its events are that batch's.
         """
         return async_step(self) if self.async_scheduling else sync_step(self)
 

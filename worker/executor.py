@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from worker.model.arch import ModelArch
-from worker.step import StepMessage, StepResult
+from worker.step_message import StepMessage, StepResult
 
 
 class ExecutorFailed(RuntimeError):

@@ -2,7 +2,7 @@
 
 Layout (flashinfer's NHD paged layout, one tensor for all layers)::
 
-    kv[layer, page, 0 (k) | 1 (v), slot_in_page, kv_head, head_dim]
+    kv[layer, page, 0 (k) | 1 (v), offset_in_page, kv_head, head_dim]
 
 Page 0 is reserved as the dummy page: padded rows of graph replays write their KV there and no
 request ever owns it.
@@ -56,11 +56,11 @@ class PagedKVCache:
         """(pages, 2, page_size, kv_heads, head_dim) view of one layer, contiguous."""
         return self.kv[layer]
 
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v`` (tokens, kv_heads, head_dim) at flat ``slots`` (graph-safe scatter)."""
+    def store(self, layer: int, locations: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v`` (tokens, kv_heads, head_dim) at flat ``locations`` (graph-safe scatter)."""
         cache = self.kv[layer]
-        pages = torch.div(slots, self.page_size, rounding_mode="floor")
-        offsets = slots - pages * self.page_size
+        pages = torch.div(locations, self.page_size, rounding_mode="floor")
+        offsets = locations - pages * self.page_size
         cache[pages, 0, offsets] = k.to(cache.dtype)
         cache[pages, 1, offsets] = v.to(cache.dtype)
 

@@ -2,7 +2,7 @@
 
 A payload is the pages' slice of the cache tensor in page order::
 
-    payload[layer, i, 0 (k) | 1 (v), slot_in_page, kv_head_local, head_dim]   (i-th page given)
+    payload[layer, i, 0 (k) | 1 (v), offset_in_page, kv_head_local, head_dim]   (i-th page given)
 
 ``kv_head_local`` is this rank's share of the KV heads, so a tensor-parallel group hands over one
 payload per rank and rank ``r`` of the receiving group must hold the same heads as rank ``r`` of

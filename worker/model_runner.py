@@ -13,7 +13,7 @@ from graphs.profile import BatchProfile
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
-from worker.step import StepMessage
+from worker.step_message import StepMessage
 
 
 @dataclass

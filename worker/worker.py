@@ -26,14 +26,14 @@ from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
 from worker.attention.factory import create_attention_backend
 from worker.executor import DeferredStep
-from worker.graph_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
 from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.model.arch import ModelArch
 from worker.model.kernels import select_kernels
 from worker.model.loader import load_model, resolve_dtype
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
-from worker.step import StepMessage, StepResult
+from worker.model_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
+from worker.step_message import StepMessage, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,8 @@ class Worker:
         """
         g = self.config.graphs
         profile = BatchProfile.load(g.profile) if g.profile else None
-        prefill_graphs, prefill_reason = self._build_prefill_graphs(widen=profile is not None)
-        decode_graphs, decode_reason = self._build_decode_graphs(widen=profile is not None)
+        prefill_graphs, prefill_reason = self._build_prefill_graphs(planner_candidates=profile is not None)
+        decode_graphs, decode_reason = self._build_decode_graphs(planner_candidates=profile is not None)
         self.graph_metrics.record_budget(self.graph_budget)
         if self.graph_budget is None and profile is None:
             for runner in (prefill_graphs, decode_graphs):
@@ -198,8 +198,8 @@ class Worker:
                              "budget, leaving no room to capture the new ladders beside them")
         profile = profile if profile is not None else old.profile
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        prefill, _ = self._build_prefill_graphs(widen=True, pool=pool)
-        decode, _ = self._build_decode_graphs(widen=True, pool=pool)
+        prefill, _ = self._build_prefill_graphs(planner_candidates=True, pool=pool)
+        decode, _ = self._build_decode_graphs(planner_candidates=True, pool=pool)
         defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
         report = capture_within_budget(decode, prefill, room, profile, defaults if room is None else None)
         if (prefill is not None and not prefill.backend.shapes) or (decode is not None and not decode.backend.shapes):
@@ -226,18 +226,18 @@ class Worker:
         """The live batch shapes this rank has run (for ``graphs.profile`` of a later start)."""
         return self.runner.profile
 
-    def _decode_ladder(self, widen: bool) -> list[int]:
+    def _decode_ladder(self, planner_candidates: bool) -> list[int]:
         g = self.config.graphs
         max_bs = min(g.decode.max_batch_size, self.config.scheduler.max_running_requests)
-        if g.decode.batch_sizes and not widen:
+        if g.decode.batch_sizes and not planner_candidates:
             return list(g.decode.batch_sizes)
-        return list(range(1, max_bs + 1)) if widen else default_decode_ladder(max_bs)
+        return list(range(1, max_bs + 1)) if planner_candidates else default_decode_ladder(max_bs)
 
-    def _prefill_ladder(self, widen: bool) -> list[int]:
+    def _prefill_ladder(self, planner_candidates: bool) -> list[int]:
         p = self.config.graphs.prefill
-        if p.token_buckets and not widen:
+        if p.token_buckets and not planner_candidates:
             return list(p.token_buckets)
-        if widen:  # planner candidates: 16 tokens apart below 1024, 64 below 4096, 256 above
+        if planner_candidates:  # 16 tokens apart below 1024, 64 below 4096, 256 above
             ceiling = self.prefill_ceiling
             steps = [*range(16, min(1024, ceiling), 16), *range(1024, min(4096, ceiling), 64),
                      *range(4096, ceiling, 256)]
@@ -269,13 +269,14 @@ class Worker:
             return None
         return lambda: torch.distributed.barrier(group=self.tp.group)
 
-    def _build_prefill_graphs(self, widen: bool, pool: tuple | None = None) -> tuple[PrefillGraphRunner | None, str]:
+    def _build_prefill_graphs(self, planner_candidates: bool, pool: tuple | None = None,
+                              ) -> tuple[PrefillGraphRunner | None, str]:
         """The prefill runner (not yet captured) over its candidate ladder, or None and why not."""
         name, reason = self._graph_backend_name("prefill")
         if name is None:
             return None, reason
         p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
-        ladder = self._prefill_ladder(widen)
+        ladder = self._prefill_ladder(planner_candidates)
         if name == "full":
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
                         "with fixed request slots; breakable is the production default")
@@ -295,14 +296,16 @@ class Worker:
             self._tc_step = CompiledPrefillStep(self.model, self.attention)
         return self._tc_step
 
-    def _build_decode_graphs(self, widen: bool, pool: tuple | None = None) -> tuple[DecodeGraphRunner | None, str]:
+    def _build_decode_graphs(self, planner_candidates: bool, pool: tuple | None = None,
+                             ) -> tuple[DecodeGraphRunner | None, str]:
         """The decode runner (not yet captured) over its candidate ladder, or None and why not."""
         name, reason = self._graph_backend_name("decode")
         if name is None:
             return None, reason
         step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
         runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool),
-                                   self._decode_ladder(widen), self.config.graphs.decode.padding, self.graph_metrics)
+                                   self._decode_ladder(planner_candidates), self.config.graphs.decode.padding,
+                                   self.graph_metrics)
         return runner, "disabled"
 
     # ----- steps -----

@@ -69,15 +69,15 @@ class AttentionBatch:
         return cls(True, list(seq_lens), list(query_lens), page_tables, sum(query_lens))
 
 
-def slot_mapping(batch: AttentionBatch, page_size: int) -> list[int]:
-    """Flat KV slot (``page * page_size + offset``) for every token of ``batch``, padding included."""
-    slots: list[int] = []
+def kv_write_locations(batch: AttentionBatch, page_size: int) -> list[int]:
+    """Flat KV-cache location (``page * page_size + offset``) for every token of ``batch``, padding included."""
+    locations: list[int] = []
     for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
         for pos in range(seq_len - q_len, seq_len):
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    pad = batch.num_tokens - len(slots)
-    slots.extend([PagedKVCache.DUMMY_PAGE * page_size] * pad)
-    return slots
+            locations.append(pages[pos // page_size] * page_size + pos % page_size)
+    pad = batch.num_tokens - len(locations)
+    locations.extend([PagedKVCache.DUMMY_PAGE * page_size] * pad)
+    return locations
 
 
 class AttentionBackend(ABC):
@@ -117,7 +117,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this step's ``k, v`` at the planned slots (graph-safe for every backend)."""
+        """Write this step's ``k, v`` at the planned locations (graph-safe for every backend)."""
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

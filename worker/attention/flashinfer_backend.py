@@ -2,7 +2,7 @@
 
 Metadata lives in one preallocated int32 device buffer, cut into fixed regions::
 
-    qo_indptr [R+1] | paged_kv_indptr [R+1] | paged_kv_last_page_len [R] | slots [T] | paged_kv_indices [N]
+    qo_indptr [R+1] | paged_kv_indptr [R+1] | paged_kv_last_page_len [R] | locations [T] | paged_kv_indices [N]
 
 with a pinned host twin of the same layout. ``plan`` fills the host twin, issues one
 non-blocking H2D copy of the used prefix, then calls the chosen wrapper's ``plan`` (flashinfer
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, slot_mapping
+from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, kv_write_locations
 from worker.kv_cache import PagedKVCache
 
 INSTALL_HINT = "flashinfer is not installed; install graphfleet[gpu] or set attention.backend=torch"
@@ -52,7 +52,7 @@ def build_metadata(batch: AttentionBatch, page_size: int
                    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     """Host-side flashinfer CSR metadata for ``batch``.
 
-    Returns ``(qo_indptr, kv_indptr, last_page_len, indices, slots)``. A row with ``seq_len=0``
+    Returns ``(qo_indptr, kv_indptr, last_page_len, indices, locations)``. A row with ``seq_len=0``
     (prefill sentinel) gets zero pages and ``last_page_len=0``, which flashinfer reads as an
     empty request both on the host (``get_seq_lens``) and in its kernels; otherwise
     ``1 <= last_page_len <= page_size``.
@@ -68,7 +68,7 @@ def build_metadata(batch: AttentionBatch, page_size: int
         qo.append(qo[-1] + q_len)
         kv.append(kv[-1] + n)
         last.append(seq_len - (n - 1) * page_size if n else 0)
-    return qo, kv, last, indices, slot_mapping(batch, page_size)
+    return qo, kv, last, indices, kv_write_locations(batch, page_size)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -100,7 +100,7 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError("KV cache geometry does not match the attention shape")
         ps = kv_cache.page_size
         if kv_cache.num_pages * ps >= 2**31:
-            raise ValueError("KV cache has >= 2**31 slots; flashinfer's int32 indices cannot address it")
+            raise ValueError("KV cache has >= 2**31 token locations; flashinfer's int32 indices cannot address it")
         self.page_size = ps
         self.q_dtype = q_dtype or kv_cache.dtype
         self.decode_use_tensor_cores = decode_use_tensor_cores
@@ -109,7 +109,7 @@ class FlashInferBackend(AttentionBackend):
         # The prefill capacity plan (see graph_wrapper) puts all tokens of a shape in one row.
         self.max_num_indices = max(rows * self.max_pages_per_row, -(-toks // ps))
 
-        sizes = {"qo_indptr": rows + 1, "kv_indptr": rows + 1, "last_page_len": rows, "slots": toks,
+        sizes = {"qo_indptr": rows + 1, "kv_indptr": rows + 1, "last_page_len": rows, "locations": toks,
                  "indices": self.max_num_indices}
         self._offsets: dict[str, int] = {}
         total = 0
@@ -123,12 +123,12 @@ class FlashInferBackend(AttentionBackend):
         self.qo_indptr = self._dev[slice(*region["qo_indptr"])]
         self.paged_kv_indptr = self._dev[slice(*region["kv_indptr"])]
         self.paged_kv_last_page_len = self._dev[slice(*region["last_page_len"])]
-        self.slots = self._dev[slice(*region["slots"])]
+        self.locations = self._dev[slice(*region["locations"])]
         self.paged_kv_indices = self._dev[slice(*region["indices"])]
         self._host_views = {k: self._host[slice(*r)] for k, r in region.items()}
 
         # append_paged_kv_cache addresses page indices[indptr[b] + pos // ps]: a single request
-        # owning every page in order turns a flat slot into (page, offset), i.e. a slot scatter.
+        # owning every page in order turns a flat location into (page, offset), i.e. a scatter.
         self._append_pages = torch.arange(kv_cache.num_pages, dtype=torch.int32, device=dev)
         self._append_indptr = torch.tensor([0, kv_cache.num_pages], dtype=torch.int32, device=dev)
         self._append_last = torch.tensor([ps], dtype=torch.int32, device=dev)
@@ -220,7 +220,7 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("plan() cannot run during CUDA graph capture: plan before capture and before replay")
         if not batch.is_prefill and (any(q != 1 for q in batch.query_lens) or min(batch.seq_lens) < 1):
             raise ValueError("decode rows must have query_len=1 and seq_len>=1 (padding: dummy page, seq_len=1)")
-        qo, kv, last, indices, slots = build_metadata(batch, self.page_size)
+        qo, kv, last, indices, locations = build_metadata(batch, self.page_size)
         if len(indices) > self.max_num_indices:
             raise ValueError(f"batch uses {len(indices)} page-table entries; capacity is {self.max_num_indices} "
                              f"(max_num_rows * max_pages_per_row)")
@@ -231,7 +231,7 @@ class FlashInferBackend(AttentionBackend):
         self._staged.synchronize()
         self._active = None  # a plan that fails half-way must not leave run() usable
         off, h = self._offsets, self._host_np
-        for key, values in (("qo_indptr", qo), ("kv_indptr", kv), ("last_page_len", last), ("slots", slots),
+        for key, values in (("qo_indptr", qo), ("kv_indptr", kv), ("last_page_len", last), ("locations", locations),
                             ("indices", indices)):
             h[off[key]: off[key] + len(values)] = values
         end = off["indices"] + len(indices)
@@ -257,13 +257,13 @@ class FlashInferBackend(AttentionBackend):
         self._num_tokens = toks
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``k, v`` at the planned slots (one fused kernel; graph-safe)."""
+        """Append ``k, v`` at the planned locations (one fused kernel; graph-safe)."""
         tokens = k.shape[0]
         if tokens != self._num_tokens:
             raise RuntimeError(f"store() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
         cache = self.kv_cache.layer(layer)
         self._fi.page.append_paged_kv_cache(
-            k.to(cache.dtype), v.to(cache.dtype), self._append_batch[:tokens], self.slots[:tokens], cache,
+            k.to(cache.dtype), v.to(cache.dtype), self._append_batch[:tokens], self.locations[:tokens], cache,
             self._append_pages, self._append_indptr, self._append_last, "NHD")
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

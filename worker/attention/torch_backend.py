@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, slot_mapping
+from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, kv_write_locations
 from worker.kv_cache import PagedKVCache
 
 
@@ -26,7 +26,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         dev = kv_cache.device
         self.max_pages_per_row = max_pages_per_row
-        self.slots = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.locations = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.page_table = torch.zeros((max_num_rows, max_pages_per_row), dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(max_num_rows, dtype=torch.int64, device=dev)
         self._prefill_rows: list[tuple[int, int, int, list[int]]] = []
@@ -42,7 +42,7 @@ class TorchAttentionBackend(AttentionBackend):
                              f"the planned maximum {self.max_num_rows} / {self.max_num_tokens}")
         ps = self.kv_cache.page_size
         self._is_prefill = batch.is_prefill
-        self.slots[: batch.num_tokens].copy_(torch.tensor(slot_mapping(batch, ps), dtype=torch.int64))
+        self.locations[: batch.num_tokens].copy_(torch.tensor(kv_write_locations(batch, ps), dtype=torch.int64))
         if batch.is_prefill:
             rows, offset = [], 0
             for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
@@ -61,7 +61,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode_width = max((len(p) for p in batch.page_tables), default=1)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_cache.store(layer, self.slots[: k.shape[0]], k, v)
+        self.kv_cache.store(layer, self.locations[: k.shape[0]], k, v)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         cache = self.kv_cache.layer(layer)

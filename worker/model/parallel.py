@@ -33,14 +33,14 @@ class CollectiveCounts:
 class TensorParallel:
     """``rank`` of ``size`` in the tensor-parallel group ``group`` (None: the default group).
 
-    ``collectives_at_size_one`` issues the all-reduce even for a group of one: it changes no
+    ``collectives_at_tp1`` (``cluster.collectives_at_tp1``) issues the all-reduce even for a group of one: it changes no
     value, and lets a single GPU verify that collectives are recorded inside graphs.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
-    collectives_at_size_one: bool = False
+    collectives_at_tp1: bool = False
     counts: CollectiveCounts = field(default_factory=CollectiveCounts, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +55,7 @@ class TensorParallel:
         return self.rank * n, n
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1 or self.collectives_at_size_one:
+        if self.size > 1 or self.collectives_at_tp1:
             self.counts.count()
             dist.all_reduce(x, group=self.group)
         return x

@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING
 from worker.executor import ExecutorFailed, ExecutorUnavailable, PendingStep
 from worker.request import Request
 from worker.scheduler import ScheduledBatch
-from worker.step import build_step_message
+from worker.step_message import build_step_message
 
 if TYPE_CHECKING:
-    from worker.engine import Engine, RequestEvent
+    from worker.engine import Engine
+    from worker.outputs import RequestEvent
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def _read_back(engine: Engine, step: InFlightStep, start: float, waited_from: fl
                ) -> list[RequestEvent]:
     """Wait for ``step``'s tokens (``execute_s`` counts from ``waited_from``, else from now) and
     hand them to their requests; ``start`` is when this engine step began."""
-    from worker.engine import StepStats
+    from worker.outputs import StepStats
 
     waited = time.perf_counter() if waited_from is None else waited_from
     try:
