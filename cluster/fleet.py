@@ -25,6 +25,7 @@ from pathlib import Path
 
 import ray
 
+from cluster.config import GroupConfig
 from cluster.fleet_config import FleetConfig
 from cluster.fleet_group import FleetWorkerGroup
 from cluster.fleet_loop import FleetLoop, FleetMember
@@ -34,7 +35,6 @@ from cluster.kv_transport import create_transport
 from cluster.rank import GroupState, GroupUnavailable
 from cluster.request_handle import FleetClosed, RequestHandle
 from cluster.router import Overloaded, Router
-from deploy.config import Config
 from worker.engine import Engine
 from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
@@ -48,7 +48,7 @@ __all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
 class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
 
-    def __init__(self, config: Config, fleet_config: FleetConfig, members: list[FleetMember], transport) -> None:
+    def __init__(self, config: GroupConfig, fleet_config: FleetConfig, members: list[FleetMember], transport) -> None:
         self.config, self.fleet_config, self.members = config, fleet_config, members
         model_dir = Path(config.model.path)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
@@ -70,7 +70,7 @@ class Fleet:
     # ----- lifecycle -----
 
     @classmethod
-    def start(cls, config: Config, on_group_state: Callable[[str, GroupState], None] | None = None,
+    def start(cls, config: GroupConfig, on_group_state: Callable[[str, GroupState], None] | None = None,
               **fleet_options) -> Fleet:
         """Start every group of the fleet (concurrently) and its loop; see :class:`FleetConfig` for options.
 

@@ -1,4 +1,4 @@
-"""Fleet settings: the group layout per role and the router's limits, on top of :class:`Config`."""
+"""Fleet settings: the group layout per role and the router's limits, on top of :class:`GroupConfig`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from deploy.config import Config, ConfigError, with_overrides
+from cluster.config import GroupConfig
+from configkit import ConfigError, with_overrides
 
 Role = Literal["colocated", "prefill", "decode"]
 
@@ -73,7 +74,7 @@ class FleetConfig:
                   "of a decode group; resharding by kv-head slices is not implemented)")
 
     @classmethod
-    def from_config(cls, config: Config, **options) -> FleetConfig:
+    def from_config(cls, config: GroupConfig, **options) -> FleetConfig:
         """Defaults from ``config`` (the ``cluster`` section, ``serve.request_timeout_s``,
         ``scheduler.max_waiting_requests``), then ``options`` (field names of this class)."""
         known = {f.name for f in dataclasses.fields(cls)}
@@ -105,7 +106,7 @@ class FleetConfig:
     def tp_size(self, role: Role) -> int:
         return self.decode_tp_size if role == "decode" else self.prefill_tp_size
 
-    def role_config(self, config: Config, role: Role) -> Config:
+    def role_config(self, config: GroupConfig, role: Role) -> GroupConfig:
         """``config`` for a group of ``role``: its tp size, graphs captured only for its phases, and no
         async scheduling on a prefill group."""
         phases = [p for p in _PHASES[role] if config.graphs.capture in ("both", p)]

@@ -26,9 +26,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayC
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.config import GroupConfig
 from cluster.rank import GroupFailed, GroupState, GroupUnavailable, RankInfo
 from cluster.rank_actor import RankActor
-from deploy.config import Config
 from worker.step_message import StepMessage, StepResult
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class RankGeneration:
     """One generation of a group: its started rank actors, their placement group and compiled step graph."""
 
-    def __init__(self, group_id: str, generation: int, config: Config, role: str, actor_cls=RankActor) -> None:
+    def __init__(self, group_id: str, generation: int, config: GroupConfig, role: str, actor_cls=RankActor) -> None:
         self.group_id, self.generation, self.config, self.role = group_id, generation, config, role
         self.actor_cls = actor_cls
         self.actors: list = []
@@ -58,7 +58,7 @@ class RankGeneration:
                                    f"{c.start_timeout_s:.0f}s: the cluster lacks those resources") from None
         groups = getattr(self.actor_cls, "concurrency_groups", None)
         actor_cls = ray.remote(concurrency_groups=groups)(self.actor_cls) if groups else ray.remote(self.actor_cls)
-        config_dict = self.config.to_dict()
+        config_dict = GroupConfig.of(self.config).to_dict()
         for rank in range(tp):
             info = RankInfo(self.group_id, self.generation, rank, tp, self.role)
             self.actors.append(actor_cls.options(
@@ -143,7 +143,7 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-def _use_gpus(config: Config) -> bool:
+def _use_gpus(config: GroupConfig) -> bool:
     if config.model.device == "cpu":
         return False
     has = ray.cluster_resources().get("GPU", 0) >= config.cluster.tp_size * config.cluster.gpus_per_rank
@@ -158,7 +158,7 @@ class WorkerGroup:
 
     rank_actor_cls = RankActor  #: the actor class of each rank; subclasses add per-rank methods
 
-    def __init__(self, config: Config, group_id: str = "g0", role: str = "colocated",
+    def __init__(self, config: GroupConfig, group_id: str = "g0", role: str = "colocated",
                  on_state: Callable[[str, GroupState], None] | None = None) -> None:
         """Start the group (blocks until it is ready or failed). ``on_state(group_id, state)`` is
         called on every lifecycle change, from the thread making it (e.g. to report start-up phases)."""

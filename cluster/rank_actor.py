@@ -11,8 +11,8 @@ import os
 import socket
 from datetime import timedelta
 
+from cluster.config import GroupConfig
 from cluster.rank import RankInfo
-from deploy.config import Config
 from worker.step_message import StepMessage, StepResult
 
 
@@ -27,7 +27,7 @@ class RankActor:
 
     def __init__(self, info: RankInfo, config: dict) -> None:
         self.info = info
-        self.config = Config.from_dict(config)
+        self.config = GroupConfig.from_dict(config)
         self.worker = None
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 

@@ -8,15 +8,17 @@ import textwrap
 import pytest
 import yaml
 
+from cluster.config import GroupConfig
+from configkit import parse_bytes
 from deploy.config import (
     DEFAULT_CONFIG_PATH,
     Config,
     ConfigError,
     DecodeGraphConfig,
     load_config,
-    parse_bytes,
     with_overrides,
 )
+from worker.config import EngineConfig
 
 
 def write(tmp_path, text: str, name: str = "config.yaml"):
@@ -175,6 +177,11 @@ def test_prefill_graph_ceiling_below_chunk_size(override, key):
     assert "stay eager and keep its activation peak" in msg
 
 
+def test_engine_config_carries_the_prefill_ceiling_check():
+    with pytest.raises(ConfigError, match=r"^graphs\.prefill\.max_tokens: largest captured prefill size 4096"):
+        EngineConfig.from_dict({"graphs": {"prefill": {"max_tokens": 4096}}})
+
+
 def test_prefill_graph_ceiling_ignored_without_prefill_graphs():
     cfg = load_config(None, ["graphs.prefill.max_tokens=4096", "graphs.capture=decode"])
     assert cfg.graphs.prefill.max_tokens == 4096
@@ -271,6 +278,17 @@ def test_round_trip():
     assert data["graphs"]["decode"]["batch_sizes"] == [1, 8, 32]
     assert Config.from_dict(data) == cfg
     assert Config.from_dict(yaml.safe_load(yaml.safe_dump(data))) == cfg
+
+
+def test_config_chain_and_group_sections():
+    cfg = load_config(None, ["serve.api_key=secret", "cluster.tp_size=2"])
+    assert isinstance(cfg, GroupConfig) and isinstance(cfg, EngineConfig)
+    group = GroupConfig.of(cfg)
+    assert type(group) is GroupConfig and list(group.to_dict()) == list(cfg.to_dict())[:-1]
+    assert "serve" not in group.to_dict() and group.cluster.tp_size == 2 and group.graphs == cfg.graphs
+    assert GroupConfig.from_dict(group.to_dict()) == group
+    with pytest.raises(ConfigError, match=r"^serve: unknown key; allowed keys: model, .*, cluster$"):
+        GroupConfig.from_dict(cfg.to_dict())
 
 
 def test_section_from_dict():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from deploy.config import Config
+from worker.config import EngineConfig
 from worker.detokenizer import OutputText
 from worker.executor import Executor
 from worker.kv_cache import PageAllocator
@@ -40,7 +40,7 @@ class Engine:
     ``cluster.group.WorkerGroup`` is the tensor-parallel executor.
     """
 
-    def __init__(self, config: Config, registry: CollectorRegistry | None = None,
+    def __init__(self, config: EngineConfig, registry: CollectorRegistry | None = None,
                  executor: Executor | None = None) -> None:
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")

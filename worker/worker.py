@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from deploy.config import Config
 from graphs.backends import create_backend
 from graphs.buckets import default_decode_ladder
 from graphs.budget import capture_within_budget
@@ -25,6 +24,7 @@ from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
 from worker.attention.factory import create_attention_backend
+from worker.config import EngineConfig
 from worker.executor import DeferredStep
 from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.model.arch import ModelArch
@@ -49,7 +49,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def checkpoint_max_len(arch: ModelArch, config: Config) -> int:
+def checkpoint_max_len(arch: ModelArch, config: EngineConfig) -> int:
     """The longest sequence the checkpoint and ``model.max_model_len`` allow (before cache size)."""
     max_len = arch.max_position_embeddings
     if arch.sliding_window and arch.sliding_window < max_len:
@@ -67,7 +67,7 @@ def checkpoint_max_len(arch: ModelArch, config: Config) -> int:
 class Worker:
     """One tensor-parallel rank (or the whole model when ``tp.size == 1``)."""
 
-    def __init__(self, config: Config, tp: TensorParallel = SINGLE, registry: CollectorRegistry | None = None,
+    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE, registry: CollectorRegistry | None = None,
                  metric_labels: dict[str, str] | None = None) -> None:
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
@@ -94,7 +94,7 @@ class Worker:
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
 
     @classmethod
-    def local(cls, config: Config, registry: CollectorRegistry | None = None) -> Worker:
+    def local(cls, config: EngineConfig, registry: CollectorRegistry | None = None) -> Worker:
         """A single-process worker taken through every stage."""
         worker = cls(config, registry=registry)
         pages = worker.available_pages()

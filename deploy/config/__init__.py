@@ -1,24 +1,19 @@
 """graphfleet configuration: one YAML file loaded into frozen, validated dataclasses.
 
+The composition point: each section is owned by the layer that uses it (:mod:`graphs.config`,
+:mod:`worker.config`, :mod:`cluster.config`, ``serve`` here) and re-exported for deploy's callers.
+
 >>> cfg = load_config(None, ["graphs.decode.backend=eager"])
 >>> cfg.graphs.decode.backend
 'eager'
 """
 
-from deploy.config.loader import DEFAULT_CONFIG_PATH, ConfigError, load_config, with_overrides
-from deploy.config.schema import (
-    AttentionConfig,
-    CacheConfig,
-    ClusterConfig,
-    Config,
-    DecodeGraphConfig,
-    GraphsConfig,
-    ModelConfig,
-    PrefillGraphConfig,
-    SchedulerConfig,
-    ServeConfig,
-    parse_bytes,
-)
+from cluster.config import ClusterConfig, GroupConfig
+from configkit import ConfigError, apply_overrides, parse_override, with_overrides
+from deploy.config.loader import DEFAULT_CONFIG_PATH, load_config
+from deploy.config.schema import Config, ServeConfig
+from graphs.config import DecodeGraphConfig, GraphsConfig, PrefillGraphConfig
+from worker.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -28,12 +23,15 @@ __all__ = [
     "Config",
     "ConfigError",
     "DecodeGraphConfig",
+    "EngineConfig",
     "GraphsConfig",
+    "GroupConfig",
     "ModelConfig",
     "PrefillGraphConfig",
     "SchedulerConfig",
     "ServeConfig",
+    "apply_overrides",
     "load_config",
-    "parse_bytes",
+    "parse_override",
     "with_overrides",
 ]

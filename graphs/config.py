@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from deploy.config.checks import _check, _check_ladder, _check_min, parse_bytes
-from deploy.config.loader import ConfigError, Section
+from configkit import ConfigError, Section, check, check_ladder, check_min, parse_bytes
 
 DecodeBackend = Literal["full", "breakable", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
@@ -29,10 +28,10 @@ class DecodeGraphConfig(Section):
     padding: bool = True
 
     def __post_init__(self) -> None:
-        _check_min(self.max_batch_size, "max_batch_size", 1)
-        _check_ladder(self.batch_sizes, "batch_sizes")
+        check_min(self.max_batch_size, "max_batch_size", 1)
+        check_ladder(self.batch_sizes, "batch_sizes")
         if self.batch_sizes:
-            _check(
+            check(
                 self.batch_sizes[-1] <= self.max_batch_size,
                 "batch_sizes",
                 f"largest size {self.batch_sizes[-1]} exceeds max_batch_size ({self.max_batch_size})",
@@ -57,16 +56,16 @@ class PrefillGraphConfig(Section):
     max_padding_ratio: float = 2.0
 
     def __post_init__(self) -> None:
-        _check_ladder(self.token_buckets, "token_buckets")
-        _check_min(self.max_tokens, "max_tokens", 1)
+        check_ladder(self.token_buckets, "token_buckets")
+        check_min(self.max_tokens, "max_tokens", 1)
         if self.token_buckets and self.max_tokens is not None:
-            _check(
+            check(
                 self.token_buckets[-1] <= self.max_tokens,
                 "token_buckets",
                 f"largest bucket {self.token_buckets[-1]} exceeds max_tokens ({self.max_tokens})",
             )
-        _check_min(self.num_request_slots, "num_request_slots", 1)
-        _check_min(self.max_padding_ratio, "max_padding_ratio", 1)
+        check_min(self.num_request_slots, "num_request_slots", 1)
+        check_min(self.max_padding_ratio, "max_padding_ratio", 1)
 
     def resolved_max_tokens(self, chunked_prefill_size: int) -> int:
         """``max_tokens`` with None resolved (largest token bucket, else the prefill chunk size)."""
@@ -86,13 +85,18 @@ class GraphsConfig(Section):
     """CUDA graph capture and replay.
 
     enabled: master switch; False runs every step eager.
-    debug: extra replay checks (slow).
+    debug: run both phases with the "debug" backend, whatever decode.backend and prefill.backend
+        say (even "eager"): the runners' replay path (static buffers, padding, metadata planning)
+        with no graph, on any device. enabled and capture still decide which phases use a runner.
     decode: decode graphs.
     prefill: prefill graphs.
     capture: which phases are captured.
     memory_budget: cap on graph memory: int = bytes, float in (0, 1] = fraction of free memory,
         str = size such as "4GiB"; None = no cap.
-    profile: name of a graph tuning profile; None = none.
+    profile: path of a batch-shape profile (JSON, as written by ``graphfleet profile export`` or
+        ``graphfleet generate --profile-out``; read with ``graphs.profile.BatchProfile.load``): the
+        captured ladders are planned from the batch shapes it counts (graphs.planner), within
+        memory_budget or, with no budget, the memory the default ladders would take; None = no profile.
     capture_timeout_s: abort capture after this many seconds (> 0).
     """
 
@@ -108,21 +112,16 @@ class GraphsConfig(Section):
     def __post_init__(self) -> None:
         budget = self.memory_budget
         if isinstance(budget, float):
-            _check(0 < budget <= 1, "memory_budget",
-                   f"a float is a fraction of free memory and must be in (0, 1], got {budget!r}")
+            check(0 < budget <= 1, "memory_budget",
+                  f"a float is a fraction of free memory and must be in (0, 1], got {budget!r}")
         elif isinstance(budget, (int, str)):
             try:
                 nbytes = parse_bytes(budget)
             except ValueError as exc:
                 raise ConfigError(str(exc), key="memory_budget") from None
-            _check(nbytes > 0, "memory_budget", f"must be > 0 bytes, got {budget!r}")
+            check(nbytes > 0, "memory_budget", f"must be > 0 bytes, got {budget!r}")
         t = self.capture_timeout_s
-        _check(t > 0, "capture_timeout_s", f"must be > 0, got {t!r}")
-
-    @property
-    def uses_decode_graphs(self) -> bool:
-        """Whether decode steps are captured at all."""
-        return self.enabled and self.capture in ("both", "decode") and self.decode.backend != "eager"
+        check(t > 0, "capture_timeout_s", f"must be > 0, got {t!r}")
 
     @property
     def uses_prefill_graphs(self) -> bool:

@@ -1,29 +1,35 @@
-"""Value checks shared by the configuration sections; each raises :class:`ConfigError` keyed by
-the field (the loader prefixes the section path)."""
+"""Value checks for the ``__post_init__`` of config sections.
+
+Each raises :class:`~configkit.errors.ConfigError` keyed by the field name alone; the builder
+(:func:`configkit.typed.build`) moves the key under the section's path.
+"""
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
 
-from deploy.config.loader import ConfigError
+from configkit.errors import ConfigError
 
 
-def _check(ok: bool, key: str, reason: str) -> None:
+def check(ok: bool, key: str, reason: str) -> None:
+    """Raise ``ConfigError(reason, key=key)`` unless ``ok``."""
     # Written as `not ok` so that NaN, which fails every comparison, is rejected too.
     if not ok:
         raise ConfigError(reason, key=key)
 
 
-def _check_min(value: int | float | None, key: str, minimum: int) -> None:
+def check_min(value: int | float | None, key: str, minimum: int) -> None:
+    """``value`` (when not None) is at least ``minimum``."""
     if value is not None:
-        _check(value >= minimum, key, f"must be >= {minimum}, got {value!r}")
+        check(value >= minimum, key, f"must be >= {minimum}, got {value!r}")
 
 
-def _check_ladder(values: tuple[int, ...] | None, key: str) -> None:
+def check_ladder(values: tuple[int, ...] | None, key: str) -> None:
+    """``values`` (when not None) is a non-empty, strictly increasing sequence of positive ints."""
     if values is not None:
         ok = len(values) > 0 and values[0] >= 1 and all(a < b for a, b in zip(values, values[1:]))
-        _check(ok, key, f"must be a non-empty, strictly increasing list of positive integers, got {list(values)}")
+        check(ok, key, f"must be a non-empty, strictly increasing list of positive integers, got {list(values)}")
 
 
 _BYTE_UNITS = {

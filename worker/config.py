@@ -1,0 +1,152 @@
+"""What a worker and its engine are configured with: the model, attention, cache and scheduler
+sections, and :class:`EngineConfig` composing them with the ``graphs`` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from configkit import Section, check, check_min
+from graphs.config import GraphsConfig
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+AttentionBackend = Literal["auto", "torch", "flashinfer"]
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """The checkpoint to serve.
+
+    path: checkpoint directory; None = not configured.
+    dtype: weight and activation dtype; "auto" = bfloat16 on CUDA, float32 on CPU.
+    device: "auto" = CUDA when available, else CPU.
+    max_model_len: longest sequence (prompt + output) in tokens; None = from the checkpoint.
+    seed: random seed for sampling and initialisation.
+    """
+
+    path: str | None = None
+    dtype: Dtype = "auto"
+    device: Device = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_min(self.max_model_len, "max_model_len", 1)
+
+    def resolved_device(self, cuda_available: bool) -> Literal["cpu", "cuda"]:
+        """``device`` with "auto" resolved."""
+        if self.device == "auto":
+            return "cuda" if cuda_available else "cpu"
+        return self.device
+
+    def resolved_dtype(self, device: Literal["cpu", "cuda"]) -> str:
+        """``dtype`` with "auto" resolved for ``device`` (a torch dtype name)."""
+        if self.dtype == "auto":
+            return "bfloat16" if device == "cuda" else "float32"
+        return self.dtype
+
+
+@dataclass(frozen=True)
+class AttentionConfig(Section):
+    """Attention kernels.
+
+    backend: attention kernels; "auto" picks per device.
+    """
+
+    backend: AttentionBackend = "auto"
+
+
+@dataclass(frozen=True)
+class CacheConfig(Section):
+    """The paged KV cache.
+
+    page_size: tokens per page (a power of two).
+    num_pages: total pages including the reserved dummy page 0; None = sized automatically.
+    gpu_memory_fraction: this worker's own share of its GPU (weights + cache + graphs), in (0, 1].
+    cpu_num_pages: pages allocated on CPU when num_pages is None.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_fraction: float = 0.85
+    cpu_num_pages: int = 2048
+
+    def __post_init__(self) -> None:
+        p = self.page_size
+        check(p >= 1 and p & (p - 1) == 0, "page_size", f"must be a power of two >= 1, got {p}")
+        check_min(self.num_pages, "num_pages", 2)
+        f = self.gpu_memory_fraction
+        check(0 < f <= 1, "gpu_memory_fraction", f"must be in (0, 1], got {f!r}")
+        check_min(self.cpu_num_pages, "cpu_num_pages", 2)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(Section):
+    """Request admission and batching. A step is either a prefill step or a decode batch, never both.
+
+    max_running_requests: requests admitted at once; bounds a decode batch (one token per request).
+    max_num_batched_tokens: token budget of a prefill step, which computes at most
+        min(this, chunked_prefill_size) prompt tokens (a decode batch, one token per running
+        request, is bounded by max_running_requests, not by this). Also sizes the activation
+        reserve and the attention buffers.
+    chunked_prefill_size: most prompt tokens one prefill step computes, over all its requests;
+        longer prompts are split into chunks over several steps (<= max_num_batched_tokens).
+    max_waiting_requests: queued requests before new ones are rejected.
+    async_scheduling: schedule and send step N+1 before reading step N's tokens back (vLLM's
+        ``--async-scheduling``): a rank takes a decode row's input token from the tokens it sampled
+        in the step before, so the hop to the ranks and the engine's host work overlap the ranks'
+        compute. With a local worker it changes only the order of host work (a step runs when its
+        tokens are read). Never on the prefill groups of a disaggregated fleet. A request that
+        stops on EOS or a stop string has computed one token more, which is dropped.
+    """
+
+    max_running_requests: int = 256
+    max_num_batched_tokens: int = 8192
+    chunked_prefill_size: int = 8192
+    max_waiting_requests: int = 4096
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size", "max_waiting_requests"):
+            check_min(getattr(self, name), name, 1)
+        check(
+            self.chunked_prefill_size <= self.max_num_batched_tokens,
+            "chunked_prefill_size",
+            f"{self.chunked_prefill_size} exceeds max_num_batched_tokens ({self.max_num_batched_tokens}); "
+            "a prefill chunk must fit in one step, so lower chunked_prefill_size or raise max_num_batched_tokens",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig(Section):
+    """What a :class:`worker.engine.Engine` and its :class:`worker.worker.Worker` are configured with.
+
+    model, attention, cache, scheduler, graphs: the sections above and :class:`graphs.config.GraphsConfig`.
+    Checks across sections: a captured prefill ladder reaches ``scheduler.chunked_prefill_size``.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    graphs: GraphsConfig = field(default_factory=GraphsConfig)
+
+    def __post_init__(self) -> None:
+        chunk = self.scheduler.chunked_prefill_size
+        prefill = self.graphs.prefill
+        if not self.graphs.uses_prefill_graphs:
+            return
+        if prefill.token_buckets:
+            key, ceiling = "graphs.prefill.token_buckets", prefill.token_buckets[-1]
+        elif prefill.max_tokens is not None:
+            key, ceiling = "graphs.prefill.max_tokens", prefill.max_tokens
+        else:
+            return  # max_tokens defaults to the chunk size
+        check(
+            ceiling >= chunk,
+            key,
+            f"largest captured prefill size {ceiling} is below scheduler.chunked_prefill_size ({chunk}); "
+            "the largest prefill chunk would otherwise stay eager and keep its activation peak. "
+            f"Raise {key} or lower scheduler.chunked_prefill_size",
+        )
