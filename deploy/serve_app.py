@@ -32,8 +32,7 @@ def build_config(args: dict[str, Any]):
     ``overrides`` (list of ``"a.b=value"``), ``host``/``port``/``api_key``/``model_name``/
     ``request_timeout_s`` (the ``serve`` section).
     """
-    from deploy.config import Config, load_config
-    from deploy.config.loader import apply_overrides
+    from deploy.config import Config, apply_overrides, load_config
 
     overrides = list(args.get("overrides") or [])
     if args.get("model"):
