@@ -32,7 +32,7 @@ from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
 from cluster.rank import GroupState, GroupUnavailable
-from cluster.request_handle import FleetClosed, RequestHandle
+from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
 from cluster.router import Overloaded, Router
 from deploy.config import Config
 from worker.engine import Engine
@@ -65,6 +65,7 @@ class Fleet:
         self._loop._publish(time.monotonic())
         self._thread = threading.Thread(target=self._run, name="graphfleet-loop", daemon=True)
         self._crash: str | None = None
+        self._link = FleetLink(self._thread.is_alive, self._stopped_why, self.abort)
         self._thread.start()
 
     # ----- lifecycle -----
@@ -140,9 +141,6 @@ class Fleet:
             log.exception("fleet loop crashed")
             raise
 
-    def _loop_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _stopped_why(self) -> str:
         return self._crash or ("shut down" if self._closed else "loop not running")
 
@@ -193,7 +191,7 @@ class Fleet:
             self._live.add(rid)
         request = FleetRequest(rid, ids, params, seed, timeout_s, sink=EventSink(self._loop.wakeups))
         self._loop.commands.put(("submit", request))
-        return RequestHandle(self, request)
+        return RequestHandle(self._link, request)
 
     def abort(self, request_id: str) -> bool:
         """End ``request_id`` with finish_reason "abort", freeing its pages on every group; False if unknown."""
@@ -221,7 +219,7 @@ class Fleet:
             return [h.result() for h in handles]
         finally:
             for h in handles:
-                if not h.finished and h._output is None:
+                if not h.finished:
                     h.abort()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
