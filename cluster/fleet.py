@@ -25,7 +25,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.fleet_config import FleetConfig
+from cluster.fleet_config import FleetConfig, apply_fleet_options, group_layout, role_config
 from cluster.fleet_group import FleetWorkerGroup
 from cluster.fleet_loop import FleetLoop, FleetMember
 from cluster.fleet_metrics import gather_rank_metrics
@@ -53,13 +53,13 @@ class Fleet:
         model_dir = Path(config.model.path)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.vocab_size = members[0].engine.arch.vocab_size
-        self.router = Router(config.cache.page_size, fleet_config.max_queued_requests)
+        self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._closed = False
-        self._loop = FleetLoop(fleet_config, members, self.router, transport, self._done)
+        self._loop = FleetLoop(config.cluster, fleet_config, members, self.router, transport, self._done)
         self.max_model_len = self._loop.max_model_len
         self._stop = threading.Event()
         self._loop._publish(time.monotonic())
@@ -73,8 +73,10 @@ class Fleet:
     @classmethod
     def start(cls, config: Config, on_group_state: Callable[[str, GroupState], None] | None = None,
               **fleet_options) -> Fleet:
-        """Start every group of the fleet (concurrently) and its loop; see :class:`FleetConfig` for options.
+        """Start every group of the fleet (concurrently) and its loop.
 
+        ``fleet_options`` are :class:`FleetConfig` fields and overrides of ``config``'s cluster keys
+        and ``max_waiting_requests`` (see :func:`cluster.fleet_config.apply_fleet_options`).
         ``on_group_state(group_id, state)`` hears every group's lifecycle changes (start-up phases
         included), from the thread making them.
 
@@ -83,10 +85,11 @@ class Fleet:
         """
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialized: call ray.init(...) before Fleet.start")
-        fcfg = FleetConfig.from_config(config, **fleet_options)
-        transport = create_transport(fcfg.kv_transport) if fcfg.disaggregated else None
-        layout = fcfg.groups()
-        configs = {gid: fcfg.role_config(config, role) for gid, role in layout}
+        config, fcfg = apply_fleet_options(config, **fleet_options)
+        disaggregated = config.cluster.mode == "disaggregated"
+        transport = create_transport(config.cluster.kv_transport) if disaggregated else None
+        layout = group_layout(config.cluster, fcfg.name)
+        configs = {gid: role_config(config, role) for gid, role in layout}
         groups: dict[str, FleetWorkerGroup] = {}
         errors: list[str] = []
         with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-start") as pool:
@@ -100,7 +103,7 @@ class Fleet:
         try:
             if errors:
                 raise GroupUnavailable("fleet start failed: " + "; ".join(errors))
-            if fcfg.disaggregated:
+            if disaggregated:
                 prefill = [groups[g] for g, r in layout if r == "prefill"]
                 decode = [groups[g] for g, r in layout if r == "decode"]
                 _check_kv_layouts(prefill, decode, config.cluster.start_timeout_s)
@@ -171,13 +174,12 @@ class Fleet:
                request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
         """Queue a request and return its handle.
 
-        ``timeout_s`` is the request's deadline from now (default ``request_timeout_s``): past it the
-        request ends with finish_reason "error" and a message saying so. Raises
+        ``timeout_s`` is the request's deadline from now (None: no deadline): past it the request
+        ends with finish_reason "error" and a message saying so. Raises
         :class:`RequestRejected` (bad prompt or id), :class:`Overloaded` (queue full), :class:`FleetClosed`.
         """
         params = params or SamplingParams()
         ids = self._encode(prompt)
-        timeout_s = timeout_s if timeout_s is not None else self.fleet_config.request_timeout_s
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:

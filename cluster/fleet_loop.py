@@ -29,6 +29,7 @@ from cluster.fleet_request import FleetRequest, Wakeups
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from cluster.router import GroupLoad, Router
+from deploy.config import ClusterConfig
 from worker.engine import Engine
 from worker.outputs import RequestEvent
 from worker.request import Request, RequestRejected
@@ -84,9 +85,11 @@ class FleetMember:
 class FleetLoop:
     """State and steps of the loop thread (see the module docstring)."""
 
-    def __init__(self, config: FleetConfig, members: list[FleetMember], router: Router,
+    def __init__(self, cluster: ClusterConfig, fleet_config: FleetConfig, members: list[FleetMember], router: Router,
                  transport: KVTransport | None, on_done) -> None:
-        self.config, self.members, self.router, self.transport = config, members, router, transport
+        self.cluster, self.fleet_config = cluster, fleet_config
+        self.disaggregated = cluster.mode == "disaggregated"
+        self.members, self.router, self.transport = members, router, transport
         self.on_done = on_done  # called with the request id when a request ends (any thread-side cleanup)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: dict[str, FleetRequest] = {}
@@ -106,7 +109,7 @@ class FleetLoop:
         try:
             while not stop.is_set():
                 if not self.run_once():
-                    self._wait_for_command(self.config.idle_poll_s)
+                    self._wait_for_command(self.fleet_config.idle_poll_s)
         except BaseException as e:
             reason = f"fleet loop crashed: {type(e).__name__}: {e}"
             raise
@@ -185,9 +188,9 @@ class FleetLoop:
         self._detach(fr)
         fr.moves += 1
         fr.last_failure = why
-        if fr.attempts >= self.config.max_attempts:
+        if fr.attempts >= self.cluster.max_attempts:
             self._end(fr, "error", f"request failed {fr.attempts} times and was given up "
-                                   f"(fleet max_attempts={self.config.max_attempts}); last failure: {why}")
+                                   f"(cluster.max_attempts={self.cluster.max_attempts}); last failure: {why}")
         else:
             self.router.queue.appendleft(fr)
 
@@ -206,7 +209,7 @@ class FleetLoop:
                     self._requeue(fr, why)
                 if moved:
                     log.warning("%d requests moved off %s (%s)", len(moved), member.group_id, why)
-            elif member.lost(now, self.config.lost_after_s):
+            elif member.lost(now, self.cluster.lost_after_s):
                 for fr in moved:
                     self._end(fr, "error",
                               f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
@@ -215,17 +218,17 @@ class FleetLoop:
     def _role_lost(self, role: str, now: float) -> str | None:
         """Why no group of ``role`` can serve again (None while one is ready or restarting)."""
         members = [s for s in self.members if s.role == role]
-        if not members or not all(s.lost(now, self.config.lost_after_s) for s in members):
+        if not members or not all(s.lost(now, self.cluster.lost_after_s) for s in members):
             return None
         return f"no {role} group is available: " + "; ".join(
             f"{s.group_id} is dead ({s.group.last_error})" for s in members)
 
     def _fail_unservable(self, now: float) -> None:
-        first = "prefill" if self.config.disaggregated else "colocated"
-        queued = self._role_lost(first, now) or (self._role_lost("decode", now) if self.config.disaggregated else None)
+        first = "prefill" if self.disaggregated else "colocated"
+        queued = self._role_lost(first, now) or (self._role_lost("decode", now) if self.disaggregated else None)
         for fr in list(self.router.queue) if queued else ():
             self._end(fr, "error", queued)
-        waiting = self._role_lost("decode", now) if self.config.disaggregated else None
+        waiting = self._role_lost("decode", now) if self.disaggregated else None
         for fr in list(self.router.handoffs) if waiting else ():
             self._end(fr, "error", waiting)
 
@@ -301,7 +304,7 @@ class FleetLoop:
             self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
 
     def _import(self, member: FleetMember, payload, pages: list[int]) -> int:
-        return self.transport.import_kv(member.group, pages, payload, self.config.handoff_timeout_s)
+        return self.transport.import_kv(member.group, pages, payload, self.cluster.handoff_timeout_s)
 
     # ----- stepping -----
 
@@ -347,7 +350,7 @@ class FleetLoop:
         for s in self.members:
             g = s.group
             groups[s.group_id] = {
-                "role": s.role, "state": s.health_state(now, self.config.lost_after_s), "phase": g.state.value,
+                "role": s.role, "state": s.health_state(now, self.cluster.lost_after_s), "phase": g.state.value,
                 "tp_size": g.config.cluster.tp_size, "generation": g.health()["generation"], "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": s.engine.allocator.num_usable,
                 "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
@@ -356,7 +359,7 @@ class FleetLoop:
         roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.members})
         status = "dead" if roles_lost else "ready" if states == {"ready"} else \
             "starting" if states <= {"ready", "starting", "capturing"} else "degraded"
-        snapshot = {"status": status, "mode": self.config.mode, "groups": groups,
+        snapshot = {"status": status, "mode": self.cluster.mode, "groups": groups,
                     "queued": len(self.router.queue), "handoffs": len(self.router.handoffs),
                     "in_flight": len(self.requests), "finished": self.finished, "failed": self.failed}
         with self.health_lock:

@@ -114,8 +114,8 @@ class StartingFleet:
                   ray_actor_options={"num_cpus": 1})
 @serve.ingress()
 class OpenAIIngress:
-    """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (:class:`FleetConfig`
-    fields). The fleet starts in the background: until it is up, ``/health`` and the API answer 503."""
+    """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (``Fleet.start``'s
+    keyword options). The fleet starts in the background: until it is up, ``/health`` and the API answer 503."""
 
     def __init__(self, config: dict, fleet_options: dict | None = None) -> None:
         from deploy.config import Config
@@ -148,6 +148,6 @@ class OpenAIIngress:
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """The application for ``serve run deploy.serve_app:app_builder`` (args: see :func:`build_config`,
-    plus ``fleet``: a dict of :class:`cluster.fleet_config.FleetConfig` options)."""
+    plus ``fleet``: a dict of ``Fleet.start`` options, see :func:`cluster.fleet_config.apply_fleet_options`)."""
     config = build_config(args)
     return OpenAIIngress.bind(config.to_dict(), dict(args.get(_FLEET_KEYS) or {}))

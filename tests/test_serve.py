@@ -274,7 +274,7 @@ def test_client_disconnect_aborts_stream(server):
 def limited(server, path):
     """Base URL of a third app: a fleet queueing at most 2 new requests, 1.5 s request deadline."""
     app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
-                       "request_timeout_s": 1.5, "fleet": {"name": "slim", "max_queued_requests": 2}})
+                       "request_timeout_s": 1.5, "fleet": {"name": "slim", "max_waiting_requests": 2}})
     serve.run(app, name="graphfleet-lim", route_prefix="/lim", blocking=False)
     wait_healthy(f"{server}/lim")
     yield f"{server}/lim"
