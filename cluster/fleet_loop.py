@@ -23,6 +23,8 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 from cluster.fleet_config import FleetConfig
 from cluster.fleet_request import FleetRequest, Wakeups
@@ -242,30 +244,44 @@ class FleetLoop:
     # ----- dispatch -----
 
     def _dispatch_prefill(self) -> None:
-        if not self.router.queue or len(self.router.handoffs) >= max(1, self.handoff_limit):
+        if len(self.router.handoffs) >= max(1, self.handoff_limit):
             return
-        members = {s.group_id: s for s in self.members if s.role in ("prefill", "colocated")}
+        self._dispatch(self.router.queue, ("prefill", "colocated"), self.router.pick_prefill, self._prefill)
+
+    def _dispatch_handoffs(self) -> None:
+        self._dispatch(self.router.handoffs, ("decode",), self.router.pick_decode, self._hand_off)
+
+    def _dispatch(self, waiting: deque[FleetRequest], roles: tuple[str, ...],
+                  pick: Callable[[list[GroupLoad], FleetRequest], GroupLoad | None],
+                  place: Callable[[FleetMember, GroupLoad, FleetRequest], None]) -> None:
+        """Hand ``waiting`` requests, oldest first, to the group of ``roles`` that ``pick`` chooses,
+        until it chooses none; ``place`` puts each in its group's engine (or ends or requeues it)."""
+        if not waiting:
+            return
+        members = {s.group_id: s for s in self.members if s.role in roles}
         loads = [s.load() for s in members.values()]
-        while self.router.queue:
-            fr = self.router.queue[0]
-            load = self.router.pick_prefill(loads, fr)
+        while waiting:
+            fr = waiting[0]
+            load = pick(loads, fr)
             if load is None:
                 return
-            self.router.queue.popleft()
-            member = members[load.group_id]
-            export = functools.partial(self._export, member, fr) if member.role == "prefill" else None
-            try:
-                member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
-                                  output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
-            except RequestRejected as e:
-                self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
-                continue
-            fr.member = member
-            fr.attempts += 1
-            if fr.holds_admission:
-                fr.holds_admission = False
-                self.router.gate.release()
-            self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
+            waiting.popleft()
+            place(members[load.group_id], load, fr)
+
+    def _prefill(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
+        export = functools.partial(self._export, member, fr) if member.role == "prefill" else None
+        try:
+            member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
+                                output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
+        except RequestRejected as e:
+            self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
+            return
+        fr.member = member
+        fr.attempts += 1
+        if fr.holds_admission:
+            fr.holds_admission = False
+            self.router.gate.release()
+        self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
 
     def _export(self, member: FleetMember, fr: FleetRequest, req: Request) -> None:
         # Runs inside the prefill engine's step, before the request's pages are freed; must not raise.
@@ -275,33 +291,22 @@ class FleetLoop:
             fr.payload = None
             fr.last_failure = f"KV export from {member.group_id} failed: {e}"
 
-    def _dispatch_handoffs(self) -> None:
-        if not self.router.handoffs:
+    def _hand_off(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
+        payload, fr.payload = fr.payload, None
+        import_kv = functools.partial(self._import, member, payload)
+        try:
+            member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
+                                                request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
+        except KVTransferFailed as e:
+            if e.timed_out:  # its late writes could land in pages the group reuses
+                member.group.fail(str(e))
+            self._requeue(fr, str(e))
             return
-        members = {s.group_id: s for s in self.members if s.role == "decode"}
-        loads = [s.load() for s in members.values()]
-        while self.router.handoffs:
-            fr = self.router.handoffs[0]
-            load = self.router.pick_decode(loads, fr)
-            if load is None:
-                return
-            self.router.handoffs.popleft()
-            member, payload = members[load.group_id], fr.payload
-            fr.payload = None
-            import_kv = functools.partial(self._import, member, payload)
-            try:
-                member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
-                                                  request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
-            except KVTransferFailed as e:
-                if e.timed_out:  # its late writes could land in pages the group reuses
-                    member.group.fail(str(e))
-                self._requeue(fr, str(e))
-                continue
-            except RequestRejected as e:
-                self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
-                continue
-            fr.member = member
-            self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
+        except RequestRejected as e:
+            self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
+            return
+        fr.member = member
+        self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
 
     def _import(self, member: FleetMember, payload, pages: list[int]) -> int:
         return self.transport.import_kv(member.group, pages, payload, self.cluster.handoff_timeout_s)
