@@ -35,6 +35,7 @@ from cluster.rank import GroupState, GroupUnavailable
 from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
 from cluster.router import Overloaded, Router
 from deploy.config import Config
+from worker.admission import PromptLimits, encode_prompt
 from worker.engine import Engine
 from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
@@ -52,7 +53,6 @@ class Fleet:
         self.config, self.fleet_config, self.members = config, fleet_config, members
         model_dir = Path(config.model.path)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        self.vocab_size = members[0].engine.arch.vocab_size
         self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -61,6 +61,7 @@ class Fleet:
         self._closed = False
         self._loop = FleetLoop(config.cluster, fleet_config, members, self.router, transport, self._done)
         self.max_model_len = self._loop.max_model_len
+        self.prompt_limits = PromptLimits(members[0].engine.arch.vocab_size, self.max_model_len)
         self._stop = threading.Event()
         self._loop._publish(time.monotonic())
         self._thread = threading.Thread(target=self._run, name="graphfleet-loop", daemon=True)
@@ -153,23 +154,6 @@ class Fleet:
 
     # ----- requests -----
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this checkpoint has no tokenizer.json: pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise RequestRejected("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                                  "(prompt plus at least one generated token must fit)")
-        return ids
-
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
         """Queue a request and return its handle.
@@ -179,7 +163,8 @@ class Fleet:
         :class:`RequestRejected` (bad prompt or id), :class:`Overloaded` (queue full), :class:`FleetClosed`.
         """
         params = params or SamplingParams()
-        ids = self._encode(prompt)
+        ids = encode_prompt(prompt, self.tokenizer)
+        self.prompt_limits.check(ids)
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:
