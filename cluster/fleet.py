@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import ray
 
@@ -40,7 +39,7 @@ from worker.engine import Engine
 from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams
-from worker.tokenizer import Tokenizer
+from worker.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,10 @@ __all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
 class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
 
-    def __init__(self, config: Config, fleet_config: FleetConfig, members: list[FleetMember], transport) -> None:
+    def __init__(self, config: Config, fleet_config: FleetConfig, members: list[FleetMember], transport,
+                 tokenizer: Tokenizer | None) -> None:
         self.config, self.fleet_config, self.members = config, fleet_config, members
-        model_dir = Path(config.model.path)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = tokenizer
         self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -73,13 +72,15 @@ class Fleet:
 
     @classmethod
     def start(cls, config: Config, on_group_state: Callable[[str, GroupState], None] | None = None,
-              **fleet_options) -> Fleet:
+              tokenizer: Tokenizer | None = None, **fleet_options) -> Fleet:
         """Start every group of the fleet (concurrently) and its loop.
 
         ``fleet_options`` are :class:`FleetConfig` fields and overrides of ``config``'s cluster keys
         and ``max_waiting_requests`` (see :func:`cluster.fleet_config.apply_fleet_options`).
         ``on_group_state(group_id, state)`` hears every group's lifecycle changes (start-up phases
-        included), from the thread making them.
+        included), from the thread making them. ``tokenizer`` is the checkpoint's when the caller has
+        loaded it already (the Serve replica's); None loads it (if the checkpoint has one). The fleet
+        and all its engines share it.
 
         Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
         lacks, ``GroupUnavailable`` if a group fails to start (the others are shut down).
@@ -87,6 +88,7 @@ class Fleet:
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialized: call ray.init(...) before Fleet.start")
         config, fcfg = apply_fleet_options(config, **fleet_options)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         disaggregated = config.cluster.mode == "disaggregated"
         transport = create_transport(config.cluster.kv_transport) if disaggregated else None
         layout = group_layout(config.cluster, fcfg.name)
@@ -109,8 +111,9 @@ class Fleet:
                 decode = [groups[g] for g, r in layout if r == "decode"]
                 _check_kv_layouts(prefill, decode, config.cluster.start_timeout_s)
                 transport.check(prefill, decode, config.cluster.start_timeout_s)
-            members = [FleetMember(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
-                     for gid, role in layout]
+            members = [FleetMember(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid],
+                                                                  tokenizer=tokenizer))
+                       for gid, role in layout]
             # Every engine stops sequences at the fleet's shortest limit, so where a request runs
             # (and where it moves after a failure) never changes where it ends.
             max_len = min(s.engine.max_model_len for s in members)
@@ -120,7 +123,7 @@ class Fleet:
             _shutdown_groups(list(groups.values()))
             raise
         log.info("fleet %s ready: %s", fcfg.name, ", ".join(f"{gid} ({role})" for gid, role in layout))
-        return cls(config, fcfg, members, transport)
+        return cls(config, fcfg, members, transport, tokenizer)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """End every request with an error, stop the loop and shut every group down (idempotent)."""

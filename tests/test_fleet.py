@@ -246,6 +246,11 @@ def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
     assert [ev.finished for ev in events].count(True) == 1
 
 
+def test_fleet_loads_the_tokenizer_once_for_all_its_engines(disagg):
+    assert disagg.tokenizer is not None
+    assert all(s.engine.tokenizer is disagg.tokenizer for s in disagg.members)
+
+
 @pytest.mark.timeout(240)
 def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
     prompts = _prompts(5, seed=3)

@@ -14,7 +14,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -28,7 +27,7 @@ from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
 from worker.step_pipeline import InFlightStep, async_step, sync_step
-from worker.tokenizer import Tokenizer
+from worker.tokenizer import Tokenizer, load_tokenizer
 from worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -42,12 +41,13 @@ class Engine:
     """
 
     def __init__(self, config: Config, registry: CollectorRegistry | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer``: the checkpoint's, when the caller has loaded it already (a fleet shares one
+        among its engines); None loads it from ``model.path`` (if it has a ``tokenizer.json``)."""
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
         self.config = config
-        model_dir = Path(config.model.path)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         self.executor = executor if executor is not None else Worker.local(config, registry)
         self.arch = self.executor.arch
         page_size = config.cache.page_size
