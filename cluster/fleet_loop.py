@@ -33,7 +33,7 @@ from cluster.rank import GroupState
 from cluster.router import GroupLoad, Router
 from deploy.config import ClusterConfig
 from worker.engine import Engine
-from worker.outputs import RequestEvent
+from worker.outputs import FailureKind, RequestEvent
 from worker.request import Request, RequestRejected
 
 log = logging.getLogger(__name__)
@@ -107,18 +107,18 @@ class FleetLoop:
 
     def run(self, stop: threading.Event) -> None:
         """Iterate until ``stop`` is set; then (or on a crash) end every request with an error."""
-        reason = "fleet is shutting down"
+        why = "fleet is shutting down"
         try:
             while not stop.is_set():
                 if not self.run_once():
                     self._wait_for_command(self.fleet_config.idle_poll_s)
         except BaseException as e:
-            reason = f"fleet loop crashed: {type(e).__name__}: {e}"
+            why = f"fleet loop crashed: {type(e).__name__}: {e}"
             raise
         finally:
             self._drain()
             for fr in list(self.requests.values()):
-                self._end(fr, "error", reason)
+                self._fail(fr, FailureKind.FLEET_STOPPED, why)
 
     def run_once(self) -> bool:
         """One iteration; returns whether any engine stepped. Readers are woken once per group
@@ -174,16 +174,21 @@ class FleetLoop:
             fr.holds_admission = False
             self.router.gate.release()
 
-    def _end(self, fr: FleetRequest, reason: str, error: str | None = None, event: RequestEvent | None = None) -> None:
+    def _end(self, fr: FleetRequest, reason: str, error: str | None = None, event: RequestEvent | None = None,
+             failure: FailureKind | None = None) -> None:
         self._detach(fr)
         self.requests.pop(fr.request_id, None)
         if reason == "error":
             self.failed += 1
-            log.warning("request %s ended with an error: %s", fr.request_id, error)
+            log.warning("request %s ended with an error (%s): %s", fr.request_id, failure, error)
         else:
             self.finished += 1
-        fr.finish(reason, error, event)
+        fr.finish(reason, error, event, failure)
         self.on_done(fr.request_id)
+
+    def _fail(self, fr: FleetRequest, failure: FailureKind, error: str, event: RequestEvent | None = None) -> None:
+        """End ``fr`` with finish_reason "error": ``error`` says why, ``failure`` what kind of failure it is."""
+        self._end(fr, "error", error, event, failure)
 
     def _requeue(self, fr: FleetRequest, why: str) -> None:
         """Send ``fr`` back to prefill (its KV is gone), unless it has used up its attempts."""
@@ -191,8 +196,9 @@ class FleetLoop:
         fr.moves += 1
         fr.last_failure = why
         if fr.attempts >= self.cluster.max_attempts:
-            self._end(fr, "error", f"request failed {fr.attempts} times and was given up "
-                                   f"(cluster.max_attempts={self.cluster.max_attempts}); last failure: {why}")
+            self._fail(fr, FailureKind.GAVE_UP, f"request failed {fr.attempts} times and was given up "
+                                                f"(cluster.max_attempts={self.cluster.max_attempts}); "
+                                                f"last failure: {why}")
         else:
             self.router.queue.appendleft(fr)
 
@@ -213,8 +219,8 @@ class FleetLoop:
                     log.warning("%d requests moved off %s (%s)", len(moved), member.group_id, why)
             elif member.lost(now, self.cluster.lost_after_s):
                 for fr in moved:
-                    self._end(fr, "error",
-                              f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
+                    self._fail(fr, FailureKind.GROUP_FAILED,
+                               f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
         self._fail_unservable(now)
 
     def _role_lost(self, role: str, now: float) -> str | None:
@@ -229,17 +235,17 @@ class FleetLoop:
         first = "prefill" if self.disaggregated else "colocated"
         queued = self._role_lost(first, now) or (self._role_lost("decode", now) if self.disaggregated else None)
         for fr in list(self.router.queue) if queued else ():
-            self._end(fr, "error", queued)
+            self._fail(fr, FailureKind.GROUP_FAILED, queued)
         waiting = self._role_lost("decode", now) if self.disaggregated else None
         for fr in list(self.router.handoffs) if waiting else ():
-            self._end(fr, "error", waiting)
+            self._fail(fr, FailureKind.GROUP_FAILED, waiting)
 
     def _expire(self, now: float) -> None:
         for fr in list(self.requests.values()):
             deadline = fr.deadline
             if deadline is not None and now > deadline:
-                self._end(fr, "error", f"deadline exceeded: not finished {fr.timeout_s:g}s after submission "
-                                       f"({len(fr.output_ids)} tokens generated)")
+                self._fail(fr, FailureKind.DEADLINE, f"deadline exceeded: not finished {fr.timeout_s:g}s after "
+                                                     f"submission ({len(fr.output_ids)} tokens generated)")
 
     # ----- dispatch -----
 
@@ -274,7 +280,7 @@ class FleetLoop:
             member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
                                 output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
         except RequestRejected as e:
-            self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
+            self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {e}")
             return
         fr.member = member
         fr.attempts += 1
@@ -303,7 +309,7 @@ class FleetLoop:
             self._requeue(fr, str(e))
             return
         except RequestRejected as e:
-            self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
+            self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {e}")
             return
         fr.member = member
         self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
@@ -340,11 +346,15 @@ class FleetLoop:
             else:
                 self.router.handoffs.append(fr)
         elif ev.finished:
-            error = member.engine.errors.get(ev.request_id) if ev.finish_reason == "error" else None
+            # An engine ends a request with "error" only when its executor is gone (GroupUnavailable).
+            failed = ev.finish_reason == "error"
+            error = member.engine.errors.get(ev.request_id) if failed else None
+            failure = FailureKind.GROUP_FAILED if failed else None
             member.engine.release(ev.request_id)
             fr.member = None
-            final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error)
-            self._end(fr, ev.finish_reason, error, final)
+            final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error,
+                                 failure)
+            self._end(fr, ev.finish_reason, error, final, failure)
         else:
             fr.deliver(ev)
 

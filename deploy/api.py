@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
-from deploy.errors import ApiError
+from deploy.errors import ApiError, generation_failed
 from deploy.metrics_merge import merge_expositions
 from deploy.streaming import (
     Job,
@@ -366,10 +366,7 @@ def _usage(jobs: list[Job], outs) -> p.Usage:
 def _failed(outputs) -> ApiError | None:
     for o in outputs:
         if o.finish_reason == "error":
-            why = o.error or "the request failed"
-            timeout = "deadline" in why or "timed out" in why or "timeout" in why
-            return ApiError(504 if timeout else 500, f"generation failed: {why}",
-                            "timeout_error" if timeout else "internal_error")
+            return generation_failed(o)
     return None
 
 

@@ -25,6 +25,7 @@ from cluster.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa:
 from deploy.config import Config, ConfigError, load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
+from worker.outputs import FailureKind  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
@@ -300,6 +301,7 @@ def test_router_overload_deadline_and_abort_free_pages(disagg):
     out = disagg.submit(prompt, long, timeout_s=1.0).result(wait_s=60)
     assert out.finish_reason == "error"
     assert out.error.startswith("deadline exceeded: not finished 1s after submission (")
+    assert out.failure is FailureKind.DEADLINE
     _wait_until(lambda: _pages_back(disagg), 30, "pages back after a deadline")
 
     # Abort while decoding: the decode group held its pages until then.
@@ -422,6 +424,8 @@ def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_loca
         assert len(failed) >= 1 and reasons.count("length") + len(failed) == 8
         for ev in failed:
             assert ev.error.startswith("no decode group is available: two-d0 is dead (a rank died")
+            assert ev.failure is FailureKind.GROUP_FAILED
         _wait_until(lambda: fleet.health()["status"] == "dead", 30, "fleet status dead")
         late = fleet.generate([prompts[0]], params, timeout_s=60)[0]
         assert late.finish_reason == "error" and "no decode group is available" in late.error
+        assert late.failure is FailureKind.GROUP_FAILED

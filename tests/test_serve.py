@@ -315,6 +315,20 @@ def test_overload_is_429_with_retry_after_and_deadline_is_504(limited):
     assert _http("GET", f"{limited}/health")[0] == 200
 
 
+def test_a_failed_generation_is_504_past_its_deadline_else_500():
+    from deploy.errors import generation_failed
+    from worker.outputs import FailureKind, RequestEvent
+
+    def failed(failure, error="timeout of the step"):
+        return generation_failed(RequestEvent("r", [], "", True, "error", None, error, failure))
+
+    deadline = failed(FailureKind.DEADLINE, "deadline exceeded: not finished 1s after submission")
+    assert (deadline.status, deadline.type) == (504, "timeout_error")
+    assert deadline.message == "generation failed: deadline exceeded: not finished 1s after submission"
+    for kind in set(FailureKind) - {FailureKind.DEADLINE}:
+        assert (failed(kind).status, failed(kind).type) == (500, "internal_error")
+
+
 def test_starting_fleet_reports_a_failed_start(server, path):
     from deploy.serve_app import StartingFleet, build_config
 
