@@ -247,17 +247,6 @@ class Fleet:
         """
         return gather_rank_metrics([s.group for s in self.members], timeout_s)
 
-    def group(self, group_id: str) -> FleetWorkerGroup:
-        """The worker group ``group_id`` (for probes and fault injection; do not drive it)."""
-        for s in self.members:
-            if s.group_id == group_id:
-                return s.group
-        raise KeyError(f"no group {group_id!r}; groups: {[s.group_id for s in self.members]}")
-
-    @property
-    def group_ids(self) -> list[str]:
-        return [s.group_id for s in self.members]
-
 
 def _events(handle: RequestHandle, wait_s: float | None) -> Iterator[RequestEvent]:
     try:

@@ -23,6 +23,7 @@ from cluster.fleet_request import FleetRequest  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
 from cluster.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
 from deploy.config import Config, ConfigError, load_config  # noqa: E402
+from tests.fleet_probes import fleet_group  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
 from worker.outputs import FailureKind  # noqa: E402
@@ -371,7 +372,7 @@ def test_killed_group_requests_complete_after_restart(disagg, reference, role):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in reference(prompts, params)]
     gid = "dis-d0" if role == "decode" else "dis-p0"
-    group = disagg.group(gid)
+    group = fleet_group(disagg, gid)
     restarts = group.restarts
     victim = group.rank_actors()[0]
     stop = threading.Event()
@@ -403,7 +404,7 @@ def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_loca
     expected = [o.token_ids for o in reference(prompts, params)]
     with Fleet.start(_config(path, "cluster.restart=false"), mode="disaggregated", num_decode_groups=2,
                      name="two") as fleet:
-        d0, d1 = fleet.group("two-d0"), fleet.group("two-d1")
+        d0, d1 = fleet_group(fleet, "two-d0"), fleet_group(fleet, "two-d1")
         threads, results, progress = _open_streams(fleet, prompts, params)
         _wait_until(lambda: sum(p >= 2 for p in progress) >= 4, 60, "streams decoding")
         ray.kill(d0.rank_actors()[0], no_restart=True)
