@@ -34,10 +34,6 @@ class AdmissionGate:
         self._count = 0
         self._lock = threading.Lock()
 
-    @property
-    def count(self) -> int:
-        return self._count
-
     def acquire(self) -> None:
         """Take one place; raises :class:`Overloaded` when all are taken."""
         with self._lock:

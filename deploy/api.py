@@ -202,7 +202,6 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         return JSONResponse(p.ChatCompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                      usage=_usage(jobs, outs)).model_dump())
 
-    app.state.fleet, app.state.metrics, app.state.model_name = fleet, metrics, model_name
     return app
 
 
