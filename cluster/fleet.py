@@ -62,7 +62,7 @@ class Fleet:
         self.max_model_len = self._loop.max_model_len
         self.prompt_limits = PromptLimits(members[0].engine.arch.vocab_size, self.max_model_len)
         self._stop = threading.Event()
-        self._loop._publish(time.monotonic())
+        self._loop.publish(time.monotonic())
         self._thread = threading.Thread(target=self._run, name="graphfleet-loop", daemon=True)
         self._crash: str | None = None
         self._link = FleetLink(self._thread.is_alive, self._stopped_why, self.abort)

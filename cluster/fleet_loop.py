@@ -131,7 +131,7 @@ class FleetLoop:
             self._dispatch_prefill()
             self._dispatch_handoffs()
             stepped = self._step_all()
-        self._publish(now)
+        self.publish(now)
         return stepped
 
     def _wait_for_command(self, timeout_s: float) -> None:
@@ -360,7 +360,8 @@ class FleetLoop:
 
     # ----- health -----
 
-    def _publish(self, now: float) -> None:
+    def publish(self, now: float) -> None:
+        """Rebuild the health snapshot (``health``, under ``health_lock``) as of ``now``."""
         groups = {}
         for s in self.members:
             g = s.group
