@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from cluster.fleet_config import FleetConfig  # noqa: E402
+from cluster.fleet_config import role_config  # noqa: E402
 from cluster.fleet_group import FleetWorkerGroup  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
 from deploy.config import load_config  # noqa: E402
@@ -73,12 +73,11 @@ def main() -> None:
     pages_needed = -(-max(lengths) // page_size)
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"cache.page_size={page_size}",
                              f"cache.num_pages={pages_needed + 8}", "scheduler.max_running_requests=8",
-                             f"cluster.gpus_per_rank={0.5 if share else 1.0}", "graphs.enabled=false"])
-    fcfg = FleetConfig.from_config(cfg, mode="disaggregated", prefill_tp_size=args.tp, decode_tp_size=args.tp,
-                                   name="bench")
+                             f"cluster.gpus_per_rank={0.5 if share else 1.0}", "graphs.enabled=false",
+                             "cluster.mode=disaggregated", f"cluster.tp_size={args.tp}"])
     ray.init(_node_ip_address="127.0.0.1", num_gpus=gpus, include_dashboard=False)
-    prefill = FleetWorkerGroup(fcfg.role_config(cfg, "prefill"), "bench-p0", "prefill")
-    decode = FleetWorkerGroup(fcfg.role_config(cfg, "decode"), "bench-d0", "decode")
+    prefill = FleetWorkerGroup(role_config(cfg, "prefill"), "bench-p0", "prefill")
+    decode = FleetWorkerGroup(role_config(cfg, "decode"), "bench-d0", "decode")
     layout = prefill.kv_layouts(args.timeout_s)[0]
     elem = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
     bytes_per_page = layout.num_layers * 2 * layout.page_size * layout.num_kv_heads * layout.head_dim * elem

@@ -21,25 +21,25 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import ray
 
 from cluster.config import GroupConfig
-from cluster.fleet_config import FleetConfig
+from cluster.fleet_config import FleetConfig, apply_fleet_options, group_layout, role_config
 from cluster.fleet_group import FleetWorkerGroup
 from cluster.fleet_loop import FleetLoop, FleetMember
 from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
 from cluster.rank import GroupState, GroupUnavailable
-from cluster.request_handle import FleetClosed, RequestHandle
+from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
 from cluster.router import Overloaded, Router
+from worker.admission import PromptLimits, encode_prompt
 from worker.engine import Engine
 from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams
-from worker.tokenizer import Tokenizer
+from worker.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,44 +48,51 @@ __all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
 class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
 
-    def __init__(self, config: GroupConfig, fleet_config: FleetConfig, members: list[FleetMember], transport) -> None:
+    def __init__(self, config: GroupConfig, fleet_config: FleetConfig, members: list[FleetMember], transport,
+                 tokenizer: Tokenizer | None) -> None:
         self.config, self.fleet_config, self.members = config, fleet_config, members
-        model_dir = Path(config.model.path)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        self.vocab_size = members[0].engine.arch.vocab_size
-        self.router = Router(config.cache.page_size, fleet_config.max_queued_requests)
+        self.tokenizer = tokenizer
+        self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._closed = False
-        self._loop = FleetLoop(fleet_config, members, self.router, transport, self._done)
+        self._loop = FleetLoop(config.cluster, fleet_config, members, self.router, transport, self._done)
         self.max_model_len = self._loop.max_model_len
+        self.prompt_limits = PromptLimits(members[0].engine.arch.vocab_size, self.max_model_len)
         self._stop = threading.Event()
-        self._loop._publish(time.monotonic())
+        self._loop.publish(time.monotonic())
         self._thread = threading.Thread(target=self._run, name="graphfleet-loop", daemon=True)
         self._crash: str | None = None
+        self._link = FleetLink(self._thread.is_alive, self._stopped_why, self.abort)
         self._thread.start()
 
     # ----- lifecycle -----
 
     @classmethod
     def start(cls, config: GroupConfig, on_group_state: Callable[[str, GroupState], None] | None = None,
-              **fleet_options) -> Fleet:
-        """Start every group of the fleet (concurrently) and its loop; see :class:`FleetConfig` for options.
+              tokenizer: Tokenizer | None = None, **fleet_options) -> Fleet:
+        """Start every group of the fleet (concurrently) and its loop.
 
+        ``fleet_options`` are :class:`FleetConfig` fields and overrides of ``config``'s cluster keys
+        and ``max_waiting_requests`` (see :func:`cluster.fleet_config.apply_fleet_options`).
         ``on_group_state(group_id, state)`` hears every group's lifecycle changes (start-up phases
-        included), from the thread making them.
+        included), from the thread making them. ``tokenizer`` is the checkpoint's when the caller has
+        loaded it already (the Serve replica's); None loads it (if the checkpoint has one). The fleet
+        and all its engines share it.
 
         Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
         lacks, ``GroupUnavailable`` if a group fails to start (the others are shut down).
         """
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialized: call ray.init(...) before Fleet.start")
-        fcfg = FleetConfig.from_config(config, **fleet_options)
-        transport = create_transport(fcfg.kv_transport) if fcfg.disaggregated else None
-        layout = fcfg.groups()
-        configs = {gid: fcfg.role_config(config, role) for gid, role in layout}
+        config, fcfg = apply_fleet_options(config, **fleet_options)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
+        disaggregated = config.cluster.mode == "disaggregated"
+        transport = create_transport(config.cluster.kv_transport) if disaggregated else None
+        layout = group_layout(config.cluster, fcfg.name)
+        configs = {gid: role_config(config, role) for gid, role in layout}
         groups: dict[str, FleetWorkerGroup] = {}
         errors: list[str] = []
         with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-start") as pool:
@@ -99,13 +106,14 @@ class Fleet:
         try:
             if errors:
                 raise GroupUnavailable("fleet start failed: " + "; ".join(errors))
-            if fcfg.disaggregated:
+            if disaggregated:
                 prefill = [groups[g] for g, r in layout if r == "prefill"]
                 decode = [groups[g] for g, r in layout if r == "decode"]
                 _check_kv_layouts(prefill, decode, config.cluster.start_timeout_s)
                 transport.check(prefill, decode, config.cluster.start_timeout_s)
-            members = [FleetMember(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid]))
-                     for gid, role in layout]
+            members = [FleetMember(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid],
+                                                                  tokenizer=tokenizer))
+                       for gid, role in layout]
             # Every engine stops sequences at the fleet's shortest limit, so where a request runs
             # (and where it moves after a failure) never changes where it ends.
             max_len = min(s.engine.max_model_len for s in members)
@@ -115,7 +123,7 @@ class Fleet:
             _shutdown_groups(list(groups.values()))
             raise
         log.info("fleet %s ready: %s", fcfg.name, ", ".join(f"{gid} ({role})" for gid, role in layout))
-        return cls(config, fcfg, members, transport)
+        return cls(config, fcfg, members, transport, tokenizer)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """End every request with an error, stop the loop and shut every group down (idempotent)."""
@@ -140,9 +148,6 @@ class Fleet:
             log.exception("fleet loop crashed")
             raise
 
-    def _loop_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _stopped_why(self) -> str:
         return self._crash or ("shut down" if self._closed else "loop not running")
 
@@ -152,34 +157,17 @@ class Fleet:
 
     # ----- requests -----
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this checkpoint has no tokenizer.json: pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise RequestRejected("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                                  "(prompt plus at least one generated token must fit)")
-        return ids
-
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
         """Queue a request and return its handle.
 
-        ``timeout_s`` is the request's deadline from now (default ``request_timeout_s``): past it the
-        request ends with finish_reason "error" and a message saying so. Raises
+        ``timeout_s`` is the request's deadline from now (None: no deadline): past it the request
+        ends with finish_reason "error" and a message saying so. Raises
         :class:`RequestRejected` (bad prompt or id), :class:`Overloaded` (queue full), :class:`FleetClosed`.
         """
         params = params or SamplingParams()
-        ids = self._encode(prompt)
-        timeout_s = timeout_s if timeout_s is not None else self.fleet_config.request_timeout_s
+        ids = encode_prompt(prompt, self.tokenizer)
+        self.prompt_limits.check(ids)
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:
@@ -193,7 +181,7 @@ class Fleet:
             self._live.add(rid)
         request = FleetRequest(rid, ids, params, seed, timeout_s, sink=EventSink(self._loop.wakeups))
         self._loop.commands.put(("submit", request))
-        return RequestHandle(self, request)
+        return RequestHandle(self._link, request)
 
     def abort(self, request_id: str) -> bool:
         """End ``request_id`` with finish_reason "abort", freeing its pages on every group; False if unknown."""
@@ -221,7 +209,7 @@ class Fleet:
             return [h.result() for h in handles]
         finally:
             for h in handles:
-                if not h.finished and h._output is None:
+                if not h.finished:
                     h.abort()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -258,17 +246,6 @@ class Fleet:
         Ranks that are dead, restarting or busy past ``timeout_s`` (all ranks share it) are left out.
         """
         return gather_rank_metrics([s.group for s in self.members], timeout_s)
-
-    def group(self, group_id: str) -> FleetWorkerGroup:
-        """The worker group ``group_id`` (for probes and fault injection; do not drive it)."""
-        for s in self.members:
-            if s.group_id == group_id:
-                return s.group
-        raise KeyError(f"no group {group_id!r}; groups: {[s.group_id for s in self.members]}")
-
-    @property
-    def group_ids(self) -> list[str]:
-        return [s.group_id for s in self.members]
 
 
 def _events(handle: RequestHandle, wait_s: float | None) -> Iterator[RequestEvent]:

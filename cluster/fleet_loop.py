@@ -23,14 +23,17 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
+from cluster.config import ClusterConfig
 from cluster.fleet_config import FleetConfig
 from cluster.fleet_request import FleetRequest, Wakeups
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from cluster.router import GroupLoad, Router
 from worker.engine import Engine
-from worker.outputs import RequestEvent
+from worker.outputs import FailureKind, RequestEvent
 from worker.request import Request, RequestRejected
 
 log = logging.getLogger(__name__)
@@ -84,9 +87,11 @@ class FleetMember:
 class FleetLoop:
     """State and steps of the loop thread (see the module docstring)."""
 
-    def __init__(self, config: FleetConfig, members: list[FleetMember], router: Router,
+    def __init__(self, cluster: ClusterConfig, fleet_config: FleetConfig, members: list[FleetMember], router: Router,
                  transport: KVTransport | None, on_done) -> None:
-        self.config, self.members, self.router, self.transport = config, members, router, transport
+        self.cluster, self.fleet_config = cluster, fleet_config
+        self.disaggregated = cluster.mode == "disaggregated"
+        self.members, self.router, self.transport = members, router, transport
         self.on_done = on_done  # called with the request id when a request ends (any thread-side cleanup)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: dict[str, FleetRequest] = {}
@@ -102,18 +107,18 @@ class FleetLoop:
 
     def run(self, stop: threading.Event) -> None:
         """Iterate until ``stop`` is set; then (or on a crash) end every request with an error."""
-        reason = "fleet is shutting down"
+        why = "fleet is shutting down"
         try:
             while not stop.is_set():
                 if not self.run_once():
-                    self._wait_for_command(self.config.idle_poll_s)
+                    self._wait_for_command(self.fleet_config.idle_poll_s)
         except BaseException as e:
-            reason = f"fleet loop crashed: {type(e).__name__}: {e}"
+            why = f"fleet loop crashed: {type(e).__name__}: {e}"
             raise
         finally:
             self._drain()
             for fr in list(self.requests.values()):
-                self._end(fr, "error", reason)
+                self._fail(fr, FailureKind.FLEET_STOPPED, why)
 
     def run_once(self) -> bool:
         """One iteration; returns whether any engine stepped. Readers are woken once per group
@@ -126,7 +131,7 @@ class FleetLoop:
             self._dispatch_prefill()
             self._dispatch_handoffs()
             stepped = self._step_all()
-        self._publish(now)
+        self.publish(now)
         return stepped
 
     def _wait_for_command(self, timeout_s: float) -> None:
@@ -169,25 +174,31 @@ class FleetLoop:
             fr.holds_admission = False
             self.router.gate.release()
 
-    def _end(self, fr: FleetRequest, reason: str, error: str | None = None, event: RequestEvent | None = None) -> None:
+    def _end(self, fr: FleetRequest, reason: str, error: str | None = None, event: RequestEvent | None = None,
+             failure: FailureKind | None = None) -> None:
         self._detach(fr)
         self.requests.pop(fr.request_id, None)
         if reason == "error":
             self.failed += 1
-            log.warning("request %s ended with an error: %s", fr.request_id, error)
+            log.warning("request %s ended with an error (%s): %s", fr.request_id, failure, error)
         else:
             self.finished += 1
-        fr.finish(reason, error, event)
+        fr.finish(reason, error, event, failure)
         self.on_done(fr.request_id)
+
+    def _fail(self, fr: FleetRequest, failure: FailureKind, error: str, event: RequestEvent | None = None) -> None:
+        """End ``fr`` with finish_reason "error": ``error`` says why, ``failure`` what kind of failure it is."""
+        self._end(fr, "error", error, event, failure)
 
     def _requeue(self, fr: FleetRequest, why: str) -> None:
         """Send ``fr`` back to prefill (its KV is gone), unless it has used up its attempts."""
         self._detach(fr)
         fr.moves += 1
         fr.last_failure = why
-        if fr.attempts >= self.config.max_attempts:
-            self._end(fr, "error", f"request failed {fr.attempts} times and was given up "
-                                   f"(fleet max_attempts={self.config.max_attempts}); last failure: {why}")
+        if fr.attempts >= self.cluster.max_attempts:
+            self._fail(fr, FailureKind.GAVE_UP, f"request failed {fr.attempts} times and was given up "
+                                                f"(cluster.max_attempts={self.cluster.max_attempts}); "
+                                                f"last failure: {why}")
         else:
             self.router.queue.appendleft(fr)
 
@@ -206,63 +217,77 @@ class FleetLoop:
                     self._requeue(fr, why)
                 if moved:
                     log.warning("%d requests moved off %s (%s)", len(moved), member.group_id, why)
-            elif member.lost(now, self.config.lost_after_s):
+            elif member.lost(now, self.cluster.lost_after_s):
                 for fr in moved:
-                    self._end(fr, "error",
-                              f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
+                    self._fail(fr, FailureKind.GROUP_FAILED,
+                               f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
         self._fail_unservable(now)
 
     def _role_lost(self, role: str, now: float) -> str | None:
         """Why no group of ``role`` can serve again (None while one is ready or restarting)."""
         members = [s for s in self.members if s.role == role]
-        if not members or not all(s.lost(now, self.config.lost_after_s) for s in members):
+        if not members or not all(s.lost(now, self.cluster.lost_after_s) for s in members):
             return None
         return f"no {role} group is available: " + "; ".join(
             f"{s.group_id} is dead ({s.group.last_error})" for s in members)
 
     def _fail_unservable(self, now: float) -> None:
-        first = "prefill" if self.config.disaggregated else "colocated"
-        queued = self._role_lost(first, now) or (self._role_lost("decode", now) if self.config.disaggregated else None)
+        first = "prefill" if self.disaggregated else "colocated"
+        queued = self._role_lost(first, now) or (self._role_lost("decode", now) if self.disaggregated else None)
         for fr in list(self.router.queue) if queued else ():
-            self._end(fr, "error", queued)
-        waiting = self._role_lost("decode", now) if self.config.disaggregated else None
+            self._fail(fr, FailureKind.GROUP_FAILED, queued)
+        waiting = self._role_lost("decode", now) if self.disaggregated else None
         for fr in list(self.router.handoffs) if waiting else ():
-            self._end(fr, "error", waiting)
+            self._fail(fr, FailureKind.GROUP_FAILED, waiting)
 
     def _expire(self, now: float) -> None:
         for fr in list(self.requests.values()):
             deadline = fr.deadline
             if deadline is not None and now > deadline:
-                self._end(fr, "error", f"deadline exceeded: not finished {fr.timeout_s:g}s after submission "
-                                       f"({len(fr.output_ids)} tokens generated)")
+                self._fail(fr, FailureKind.DEADLINE, f"deadline exceeded: not finished {fr.timeout_s:g}s after "
+                                                     f"submission ({len(fr.output_ids)} tokens generated)")
 
     # ----- dispatch -----
 
     def _dispatch_prefill(self) -> None:
-        if not self.router.queue or len(self.router.handoffs) >= max(1, self.handoff_limit):
+        if len(self.router.handoffs) >= max(1, self.handoff_limit):
             return
-        members = {s.group_id: s for s in self.members if s.role in ("prefill", "colocated")}
+        self._dispatch(self.router.queue, ("prefill", "colocated"), self.router.pick_prefill, self._prefill)
+
+    def _dispatch_handoffs(self) -> None:
+        self._dispatch(self.router.handoffs, ("decode",), self.router.pick_decode, self._hand_off)
+
+    def _dispatch(self, waiting: deque[FleetRequest], roles: tuple[str, ...],
+                  pick: Callable[[list[GroupLoad], FleetRequest], GroupLoad | None],
+                  place: Callable[[FleetMember, GroupLoad, FleetRequest], None]) -> None:
+        """Hand ``waiting`` requests, oldest first, to the group of ``roles`` that ``pick`` chooses,
+        until it chooses none; ``place`` puts each in its group's engine (or ends or requeues it)."""
+        if not waiting:
+            return
+        members = {s.group_id: s for s in self.members if s.role in roles}
         loads = [s.load() for s in members.values()]
-        while self.router.queue:
-            fr = self.router.queue[0]
-            load = self.router.pick_prefill(loads, fr)
+        while waiting:
+            fr = waiting[0]
+            load = pick(loads, fr)
             if load is None:
                 return
-            self.router.queue.popleft()
-            member = members[load.group_id]
-            export = functools.partial(self._export, member, fr) if member.role == "prefill" else None
-            try:
-                member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
-                                  output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
-            except RequestRejected as e:
-                self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
-                continue
-            fr.member = member
-            fr.attempts += 1
-            if fr.holds_admission:
-                fr.holds_admission = False
-                self.router.gate.release()
-            self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
+            waiting.popleft()
+            place(members[load.group_id], load, fr)
+
+    def _prefill(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
+        export = functools.partial(self._export, member, fr) if member.role == "prefill" else None
+        try:
+            member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
+                                output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
+        except RequestRejected as e:
+            self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {e}")
+            return
+        fr.member = member
+        fr.attempts += 1
+        if fr.holds_admission:
+            fr.holds_admission = False
+            self.router.gate.release()
+        self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
 
     def _export(self, member: FleetMember, fr: FleetRequest, req: Request) -> None:
         # Runs inside the prefill engine's step, before the request's pages are freed; must not raise.
@@ -272,36 +297,25 @@ class FleetLoop:
             fr.payload = None
             fr.last_failure = f"KV export from {member.group_id} failed: {e}"
 
-    def _dispatch_handoffs(self) -> None:
-        if not self.router.handoffs:
+    def _hand_off(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
+        payload, fr.payload = fr.payload, None
+        import_kv = functools.partial(self._import, member, payload)
+        try:
+            member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
+                                                request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
+        except KVTransferFailed as e:
+            if e.timed_out:  # its late writes could land in pages the group reuses
+                member.group.fail(str(e))
+            self._requeue(fr, str(e))
             return
-        members = {s.group_id: s for s in self.members if s.role == "decode"}
-        loads = [s.load() for s in members.values()]
-        while self.router.handoffs:
-            fr = self.router.handoffs[0]
-            load = self.router.pick_decode(loads, fr)
-            if load is None:
-                return
-            self.router.handoffs.popleft()
-            member, payload = members[load.group_id], fr.payload
-            fr.payload = None
-            import_kv = functools.partial(self._import, member, payload)
-            try:
-                member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
-                                                  request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
-            except KVTransferFailed as e:
-                if e.timed_out:  # its late writes could land in pages the group reuses
-                    member.group.fail(str(e))
-                self._requeue(fr, str(e))
-                continue
-            except RequestRejected as e:
-                self._end(fr, "error", f"rejected by group {member.group_id}: {e}")
-                continue
-            fr.member = member
-            self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
+        except RequestRejected as e:
+            self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {e}")
+            return
+        fr.member = member
+        self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
 
     def _import(self, member: FleetMember, payload, pages: list[int]) -> int:
-        return self.transport.import_kv(member.group, pages, payload, self.config.handoff_timeout_s)
+        return self.transport.import_kv(member.group, pages, payload, self.cluster.handoff_timeout_s)
 
     # ----- stepping -----
 
@@ -332,22 +346,27 @@ class FleetLoop:
             else:
                 self.router.handoffs.append(fr)
         elif ev.finished:
-            error = member.engine.errors.get(ev.request_id) if ev.finish_reason == "error" else None
+            # An engine ends a request with "error" only when its executor is gone (GroupUnavailable).
+            failed = ev.finish_reason == "error"
+            error = member.engine.errors.get(ev.request_id) if failed else None
+            failure = FailureKind.GROUP_FAILED if failed else None
             member.engine.release(ev.request_id)
             fr.member = None
-            final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error)
-            self._end(fr, ev.finish_reason, error, final)
+            final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error,
+                                 failure)
+            self._end(fr, ev.finish_reason, error, final, failure)
         else:
             fr.deliver(ev)
 
     # ----- health -----
 
-    def _publish(self, now: float) -> None:
+    def publish(self, now: float) -> None:
+        """Rebuild the health snapshot (``health``, under ``health_lock``) as of ``now``."""
         groups = {}
         for s in self.members:
             g = s.group
             groups[s.group_id] = {
-                "role": s.role, "state": s.health_state(now, self.config.lost_after_s), "phase": g.state.value,
+                "role": s.role, "state": s.health_state(now, self.cluster.lost_after_s), "phase": g.state.value,
                 "tp_size": g.config.cluster.tp_size, "generation": g.health()["generation"], "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": s.engine.allocator.num_usable,
                 "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
@@ -356,7 +375,7 @@ class FleetLoop:
         roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.members})
         status = "dead" if roles_lost else "ready" if states == {"ready"} else \
             "starting" if states <= {"ready", "starting", "capturing"} else "degraded"
-        snapshot = {"status": status, "mode": self.config.mode, "groups": groups,
+        snapshot = {"status": status, "mode": self.cluster.mode, "groups": groups,
                     "queued": len(self.router.queue), "handoffs": len(self.router.handoffs),
                     "in_flight": len(self.requests), "finished": self.finished, "failed": self.failed}
         with self.health_lock:

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from worker.outputs import RequestEvent, RequestOutput
+from worker.outputs import FailureKind, RequestEvent, RequestOutput
 from worker.sampling.params import SamplingParams
 
 
@@ -211,12 +211,14 @@ class FleetRequest:
         self.text += event.text
         self.sink.put(event)
 
-    def finish(self, reason: str, error: str | None = None, event: RequestEvent | None = None) -> RequestOutput:
-        """Send the final event (``event``, or an empty one) and then the request's output."""
+    def finish(self, reason: str, error: str | None = None, event: RequestEvent | None = None,
+               failure: FailureKind | None = None) -> RequestOutput:
+        """Send the final event (``event``, or an empty one) and then the request's output; ``error``
+        and ``failure`` say why and what kind, when ``reason`` is "error"."""
         if event is None:
-            event = RequestEvent(self.request_id, [], "", True, reason, None, error)
+            event = RequestEvent(self.request_id, [], "", True, reason, None, error, failure)
         self.deliver(event)
         out = RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids), self.text, reason,
-                            list(self.logprobs) if self.params.logprobs else None, self.moves, error)
+                            list(self.logprobs) if self.params.logprobs else None, self.moves, error, failure)
         self.sink.put(out)
         return out

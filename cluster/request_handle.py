@@ -9,16 +9,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 
 from cluster.fleet_request import FleetRequest, is_final
 from worker.outputs import RequestEvent, RequestOutput
 
-if TYPE_CHECKING:
-    from cluster.fleet import Fleet
-
-__all__ = ["FleetClosed", "RequestHandle"]
+__all__ = ["FleetClosed", "FleetLink", "RequestHandle"]
 
 _POLL_S = 0.5
 
@@ -27,12 +24,26 @@ class FleetClosed(RuntimeError):
     """The fleet is shut down (or its loop stopped): no request can be submitted or awaited."""
 
 
+@dataclass(frozen=True)
+class FleetLink:
+    """What a handle may ask of the fleet that made it (the fleet builds one and shares it).
+
+    loop_alive: whether the fleet's loop thread still runs (a stopped loop delivers nothing more).
+    stopped_why: why the loop is not running (shut down, or the crash).
+    abort: end a request by id; False if the fleet does not know it.
+    """
+
+    loop_alive: Callable[[], bool]
+    stopped_why: Callable[[], str]
+    abort: Callable[[str], bool]
+
+
 class RequestHandle:
     """A submitted request: its events as they come, its output when done, and abort."""
 
-    def __init__(self, fleet: Fleet, request: FleetRequest) -> None:
+    def __init__(self, link: FleetLink, request: FleetRequest) -> None:
         self.request_id = request.request_id
-        self._fleet, self._sink, self._timeout_s = fleet, request.sink, request.timeout_s
+        self._link, self._sink, self._timeout_s = link, request.sink, request.timeout_s
         self._submitted = request.submitted
         self._token_times = request.token_times
         self._output: RequestOutput | None = None
@@ -40,6 +51,7 @@ class RequestHandle:
 
     @property
     def finished(self) -> bool:
+        """Whether the request's final event has been read; its output, if read, always comes after it."""
         return self._finished
 
     @property
@@ -67,9 +79,9 @@ class RequestHandle:
         return left
 
     def _closed(self) -> FleetClosed | None:
-        if self._fleet._loop_alive():
+        if self._link.loop_alive():
             return None
-        return FleetClosed(f"request {self.request_id}: the fleet stopped ({self._fleet._stopped_why()})")
+        return FleetClosed(f"request {self.request_id}: the fleet stopped ({self._link.stopped_why()})")
 
     def _next(self, wait_s: float | None) -> RequestEvent | RequestOutput:
         """The next item from the loop; waits at most ``wait_s`` (None: until the request's deadline)."""
@@ -150,4 +162,5 @@ class RequestHandle:
         return self._output
 
     def abort(self) -> bool:
-        return self._fleet.abort(self.request_id)
+        """End the request with finish_reason "abort" (see :meth:`cluster.fleet.Fleet.abort`)."""
+        return self._link.abort(self.request_id)

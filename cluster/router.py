@@ -8,7 +8,7 @@ enough free KV pages (keeping one page of headroom per running request, as the s
 the one with the fewest outstanding tokens. The decode group is chosen at hand-off time, not at
 admission, so it reflects the decode load when the KV is ready.
 
-Backpressure: only new requests count against ``max_queued_requests`` (checked in the caller's
+Backpressure: only new requests count against ``scheduler.max_waiting_requests`` (checked in the caller's
 thread by :class:`AdmissionGate`); a request already accepted is never refused later.
 """
 
@@ -34,16 +34,12 @@ class AdmissionGate:
         self._count = 0
         self._lock = threading.Lock()
 
-    @property
-    def count(self) -> int:
-        return self._count
-
     def acquire(self) -> None:
         """Take one place; raises :class:`Overloaded` when all are taken."""
         with self._lock:
             if self._count >= self.capacity:
                 raise Overloaded(f"fleet overloaded: {self._count} requests already waiting for a group "
-                                 f"(max_queued_requests={self.capacity}); retry later")
+                                 f"(scheduler.max_waiting_requests={self.capacity}); retry later")
             self._count += 1
 
     def release(self) -> None:
@@ -68,9 +64,9 @@ class GroupLoad:
 class Router:
     """Chooses groups for requests; see the module docstring for the policy."""
 
-    def __init__(self, page_size: int, max_queued_requests: int) -> None:
+    def __init__(self, page_size: int, max_waiting_requests: int) -> None:
         self.page_size = page_size
-        self.gate = AdmissionGate(max_queued_requests)
+        self.gate = AdmissionGate(max_waiting_requests)
         self.queue: deque[FleetRequest] = deque()
         self.handoffs: deque[FleetRequest] = deque()
 

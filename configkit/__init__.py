@@ -10,7 +10,6 @@ sections and build on it.
 
 from configkit.checks import check, check_ladder, check_min, parse_bytes
 from configkit.errors import ConfigError, TypeMismatch, describe, show_value
-from configkit.overrides import apply_overrides, parse_override, with_overrides
 from configkit.suggest import did_you_mean
 from configkit.typed import Section, build, convert, to_plain
 
@@ -18,7 +17,6 @@ __all__ = [
     "ConfigError",
     "Section",
     "TypeMismatch",
-    "apply_overrides",
     "build",
     "check",
     "check_ladder",
@@ -27,8 +25,6 @@ __all__ = [
     "describe",
     "did_you_mean",
     "parse_bytes",
-    "parse_override",
     "show_value",
     "to_plain",
-    "with_overrides",
 ]

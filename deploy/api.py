@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
-from deploy.errors import ApiError
+from deploy.errors import ApiError, generation_failed
 from deploy.metrics_merge import merge_expositions
 from deploy.streaming import (
     Job,
@@ -39,6 +39,7 @@ from deploy.streaming import (
     completion_stream,
     sse_response,
 )
+from worker.admission import PromptLimits, PromptTooLong
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams, SamplingParamsError
 from worker.tokenizer import ChatTemplateError
@@ -164,7 +165,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         if req.logprobs is not None and req.logprobs != 0:
             raise ApiError(400, f"logprobs must be 0 or null (alternative tokens are not computed), "
                                 f"got {req.logprobs}", param="logprobs")
-        prompts = _completion_prompts(req.prompt, tokenizer, fleet.vocab_size)
+        prompts = _completion_prompts(req.prompt, tokenizer, fleet.prompt_limits)
         want_logprobs = req.logprobs is not None
         jobs = _submit(fleet, prompts, _params(req, req.max_tokens, want_logprobs), req.n, "prompt",
                        serve_cfg.request_timeout_s, metrics)
@@ -185,7 +186,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         if req.top_logprobs:
             raise ApiError(400, f"top_logprobs must be 0 or null (alternative tokens are not computed), "
                                 f"got {req.top_logprobs}", param="top_logprobs")
-        ids = _chat_prompt(req.messages, tokenizer, fleet.vocab_size)
+        ids = _chat_prompt(req.messages, tokenizer, fleet.prompt_limits)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         jobs = _submit(fleet, [ids], _params(req, max_tokens, req.logprobs), req.n, "messages",
                        serve_cfg.request_timeout_s, metrics)
@@ -201,7 +202,6 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
         return JSONResponse(p.ChatCompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                      usage=_usage(jobs, outs)).model_dump())
 
-    app.state.fleet, app.state.metrics, app.state.model_name = fleet, metrics, model_name
     return app
 
 
@@ -237,32 +237,37 @@ def _from_validation(errors: Sequence[dict]) -> ApiError:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
-def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
-    if not ids:
-        raise ApiError(400, f"{param} is empty", param=param)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
+def _rejected(e: RequestRejected, param: str) -> ApiError:
+    """The 400 of a request the fleet would refuse, naming the field ``param``."""
+    code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
+    return ApiError(400, f"{param}: {e}", param=param, code=code)
+
+
+def _admitted(ids: list[int], limits: PromptLimits, param: str) -> list[int]:
+    try:
+        limits.check(ids)
+    except RequestRejected as e:
+        raise _rejected(e, param) from None
     return ids
 
 
-def _completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> list[list[int]]:
+def _completion_prompts(prompt: Any, tokenizer, limits: PromptLimits) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise ApiError(400, "prompt is empty", param="prompt")
     if all(isinstance(x, int) for x in prompt):
-        return [_check_ids(list(prompt), vocab_size, "prompt")]
+        return [_admitted(list(prompt), limits, "prompt")]
     if tokenizer is None and any(isinstance(x, str) for x in prompt):
         raise ApiError(400, "this model has no tokenizer: send prompt as token ids", param="prompt")
     for i, x in enumerate(prompt):
         if not x:
             raise ApiError(400, f"prompt[{i}] is empty", param="prompt")
-    return [_check_ids(tokenizer.encode(x) if isinstance(x, str) else list(x), vocab_size, f"prompt[{i}]")
+    return [_admitted(tokenizer.encode(x) if isinstance(x, str) else list(x), limits, f"prompt[{i}]")
             for i, x in enumerate(prompt)]
 
 
-def _chat_prompt(messages: list[p.ChatMessage], tokenizer, vocab_size: int) -> list[int]:
+def _chat_prompt(messages: list[p.ChatMessage], tokenizer, limits: PromptLimits) -> list[int]:
     if not messages:
         raise ApiError(400, "messages is empty: give at least one message", param="messages")
     if tokenizer is None:
@@ -275,7 +280,7 @@ def _chat_prompt(messages: list[p.ChatMessage], tokenizer, vocab_size: int) -> l
         raise ApiError(400, f"messages: the chat template rejected the conversation: {e}",
                        param="messages") from None
     # The rendered template already holds the special tokens (BOS), as in vLLM.
-    return _check_ids(tokenizer.encode(text, add_special_tokens=False), vocab_size, "messages")
+    return _admitted(tokenizer.encode(text, add_special_tokens=False), limits, "messages")
 
 
 def _params(req: p._SamplingFields, max_tokens: int | None, logprobs: bool) -> dict:
@@ -294,12 +299,9 @@ def _params(req: p._SamplingFields, max_tokens: int | None, logprobs: bool) -> d
     return fields
 
 
-def _sampling(fields: dict, prompt_len: int, max_model_len: int, param: str) -> SamplingParams:
+def _sampling(fields: dict, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The request's SamplingParams for one admitted prompt (so at least one token fits after it)."""
     room = max_model_len - prompt_len
-    if room < 1:
-        raise ApiError(400, f"{param}: the prompt has {prompt_len} tokens; this model's maximum context length "
-                            f"is {max_model_len} (prompt plus at least one generated token must fit)",
-                       param=param, code="context_length_exceeded")
     fields = dict(fields)
     if fields["max_tokens"] is None:
         fields["max_tokens"] = room
@@ -322,7 +324,7 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
                        param="n")
     planned = []
     for ids in prompts:
-        params = _sampling(fields, len(ids), fleet.max_model_len, param)
+        params = _sampling(fields, len(ids), fleet.max_model_len)
         for k in range(n):
             # Choices of one seeded request must differ, yet stay reproducible.
             seed = None if params.seed is None or n == 1 else (params.seed + k) % (1 << 64)
@@ -339,7 +341,7 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RequestRejected as e:
         abort_unfinished(jobs)
-        raise ApiError(400, f"{param}: {e}", param=param) from None
+        raise _rejected(e, param) from None
     except FleetClosed as e:
         abort_unfinished(jobs)
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
@@ -363,10 +365,7 @@ def _usage(jobs: list[Job], outs) -> p.Usage:
 def _failed(outputs) -> ApiError | None:
     for o in outputs:
         if o.finish_reason == "error":
-            why = o.error or "the request failed"
-            timeout = "deadline" in why or "timed out" in why or "timeout" in why
-            return ApiError(504 if timeout else 500, f"generation failed: {why}",
-                            "timeout_error" if timeout else "internal_error")
+            return generation_failed(o)
     return None
 
 

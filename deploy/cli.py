@@ -93,7 +93,8 @@ def cmd_profile_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """A small batch generation that prints throughput (what ``make run`` does)."""
+    """A small batch generation in this process (one local engine: no Ray, no server) that prints
+    throughput; ``make run`` serves instead (:func:`cmd_serve`)."""
     import torch
 
     from worker.engine import Engine

@@ -1,10 +1,13 @@
-"""The API's one error type: answered as an OpenAI error body with its HTTP status."""
+"""The API's one error type, answered as an OpenAI error body with its HTTP status, and the error of a
+failed generation (one mapping of a :class:`worker.outputs.FailureKind` to a status, for both the
+non-streamed response and a stream's error event)."""
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
 from deploy import openai_protocol as p
+from worker.outputs import FailureKind
 
 
 class ApiError(Exception):
@@ -22,3 +25,12 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def generation_failed(result) -> ApiError:
+    """The error of a request that ended with finish_reason "error" (its output or final event):
+    504 ``timeout_error`` past its deadline, else 500 ``internal_error``."""
+    message = f"generation failed: {result.error or 'the request failed'}"
+    if result.failure is FailureKind.DEADLINE:
+        return ApiError(504, message, "timeout_error")
+    return ApiError(500, message, "internal_error")

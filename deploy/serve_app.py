@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -57,24 +56,25 @@ class StartingFleet:
     Until the fleet is up, :meth:`health` reports ``starting`` with each group's phase so far
     (``starting``: placement, rendezvous, load; ``capturing``; ``ready``), or ``dead`` with the
     error if the start failed, and ``ready`` is False; afterwards every attribute is the fleet's.
+    ``fleet_options`` and ``tokenizer`` are passed to :meth:`cluster.fleet.Fleet.start`.
     """
 
-    def __init__(self, config, fleet_options: dict) -> None:
+    def __init__(self, config, fleet_options: dict, tokenizer=None) -> None:
         self._fleet = None
         self._error: str | None = None
         self._phases: dict[str, str] = {}
-        self._thread = threading.Thread(target=self._start, args=(config, fleet_options), name="fleet-start",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._start, args=(config, fleet_options, tokenizer),
+                                        name="fleet-start", daemon=True)
         self._thread.start()
 
-    def _start(self, config, fleet_options: dict) -> None:
+    def _start(self, config, fleet_options: dict, tokenizer) -> None:
         from cluster.fleet import Fleet
 
         def on_state(group_id: str, state) -> None:
             self._phases[group_id] = state.value
 
         try:
-            self._fleet = Fleet.start(config, on_group_state=on_state, **fleet_options)
+            self._fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, **fleet_options)
         except Exception as e:  # noqa: BLE001 (reported by health(); Serve then restarts the replica)
             log.exception("fleet start failed")
             self._error = f"fleet start failed: {type(e).__name__}: {e}"
@@ -113,20 +113,20 @@ class StartingFleet:
                   ray_actor_options={"num_cpus": 1})
 @serve.ingress()
 class OpenAIIngress:
-    """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (:class:`FleetConfig`
-    fields). The fleet starts in the background: until it is up, ``/health`` and the API answer 503."""
+    """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (``Fleet.start``'s
+    keyword options). The fleet starts in the background: until it is up, ``/health`` and the API answer 503.
+    The replica loads the checkpoint's tokenizer once: the API, the fleet and its engines share it."""
 
     def __init__(self, config: dict, fleet_options: dict | None = None) -> None:
         from deploy.config import Config
-        from worker.tokenizer import Tokenizer
+        from worker.tokenizer import load_tokenizer
 
         self.config = Config.from_dict(config)
         if self.config.serve.gil_switch_interval_ms is not None:
             sys.setswitchinterval(self.config.serve.gil_switch_interval_ms / 1e3)
             log.info("GIL switch interval %.3f ms", sys.getswitchinterval() * 1e3)
-        model_dir = Path(self.config.model.path)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        self.fleet = StartingFleet(self.config, dict(fleet_options or {}))
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.fleet = StartingFleet(self.config, dict(fleet_options or {}), self.tokenizer)
 
     def __serve_build_asgi_app__(self):
         from deploy.api import build_app
@@ -147,6 +147,6 @@ class OpenAIIngress:
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """The application for ``serve run deploy.serve_app:app_builder`` (args: see :func:`build_config`,
-    plus ``fleet``: a dict of :class:`cluster.fleet_config.FleetConfig` options)."""
+    plus ``fleet``: a dict of ``Fleet.start`` options, see :func:`cluster.fleet_config.apply_fleet_options`)."""
     config = build_config(args)
     return OpenAIIngress.bind(config.to_dict(), dict(args.get(_FLEET_KEYS) or {}))

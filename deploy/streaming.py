@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
-from deploy.errors import ApiError
+from deploy.errors import ApiError, generation_failed
 
 
 @dataclass
@@ -165,11 +165,10 @@ class _StreamState:
 
 
 def _stream_error(item: Exception | Any) -> str:
+    """The SSE error event of a stream that raised ``item``, or whose final event ``item`` failed."""
     if isinstance(item, Exception):
-        msg, kind = f"the stream failed: {type(item).__name__}: {item}", "internal_error"
-    else:
-        msg, kind = f"generation failed: {item.error or 'the request failed'}", "internal_error"
-    return _data(ApiError(500, msg, kind).body())
+        return _data(ApiError(500, f"the stream failed: {type(item).__name__}: {item}", "internal_error").body())
+    return _data(generation_failed(item).body())
 
 
 async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence[BaseModel], usage_cls,

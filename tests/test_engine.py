@@ -9,6 +9,14 @@ import torch
 
 from deploy.config import load_config
 from tests.reference import OwnModel, rel_err
+from worker.admission import (
+    EmptyPrompt,
+    NoTokenizer,
+    PromptLimits,
+    PromptTooLong,
+    TokenOutsideVocabulary,
+    encode_prompt,
+)
 from worker.engine import Engine
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams, SamplingParamsError
@@ -128,6 +136,22 @@ def test_too_long_prompt_rejected_engine_keeps_serving(checkpoint_dir):
     while engine.has_unfinished():
         engine.step()
     assert len(engine.output(good).token_ids) == 5
+
+
+def test_prompt_limits_raise_one_type_per_problem():
+    limits = PromptLimits(vocab_size=1024, max_model_len=8)
+    limits.check([0, 1023] * 3 + [7])
+    with pytest.raises(EmptyPrompt, match="^prompt is empty$"):
+        limits.check([])
+    with pytest.raises(TokenOutsideVocabulary, match=r"^prompt token id -1 outside the vocabulary \[0, 1024\)$"):
+        limits.check([5, -1, 5000] * 4)  # the first bad id, before the length
+    with pytest.raises(PromptTooLong, match="^prompt has 8 tokens; max_model_len is 8, the maximum context length"):
+        limits.check([5] * 8)
+    with pytest.raises(NoTokenizer, match="no tokenizer.json: pass token ids"):
+        encode_prompt("hi", None)
+    assert encode_prompt((5, 6), None) == [5, 6]
+    problems = (EmptyPrompt, TokenOutsideVocabulary, PromptTooLong, NoTokenizer)
+    assert all(issubclass(e, RequestRejected) for e in problems)
 
 
 def test_generation_stops_at_max_model_len(checkpoint_dir):

@@ -7,6 +7,7 @@ Fleets are module-scoped and shared by the tests that need the same layout.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 import time
@@ -17,13 +18,15 @@ import ray  # noqa: E402 - a hard requirement: the cluster tests must not skip
 import torch
 
 from cluster.fleet import Fleet  # noqa: E402
-from cluster.fleet_config import FleetConfig  # noqa: E402
+from cluster.fleet_config import FleetConfig, apply_fleet_options, group_layout, role_config  # noqa: E402
 from cluster.fleet_request import FleetRequest  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
 from cluster.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
-from deploy.config import ConfigError, load_config  # noqa: E402
+from deploy.config import Config, ConfigError, load_config  # noqa: E402
+from tests.fleet_probes import fleet_group  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
+from worker.outputs import FailureKind  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
@@ -95,7 +98,7 @@ def disagg(ray_local, path):
     """1 prefill + 1 decode group; the decode group schedules asynchronously (steps in flight
     while KV imports, aborts and group failures happen), the prefill group cannot."""
     fleet = Fleet.start(_config(path, "scheduler.async_scheduling=true"), mode="disaggregated", name="dis",
-                        max_queued_requests=64)
+                        max_waiting_requests=64)
     yield fleet
     fleet.shutdown()
 
@@ -104,26 +107,48 @@ def disagg(ray_local, path):
 
 def test_config_transport_and_gate_errors_are_clear(path):
     cfg = _config(path)
-    with pytest.raises(ConfigError, match="fleet.decode_tp_size: KV hand-off needs equal tp sizes: "
+    with pytest.raises(ConfigError, match="cluster.decode_tp_size: KV hand-off needs equal tp sizes: "
                                           "prefill_tp_size=2, decode_tp_size=1"):
-        FleetConfig.from_config(cfg, mode="disaggregated", prefill_tp_size=2, decode_tp_size=1)
+        apply_fleet_options(cfg, mode="disaggregated", prefill_tp_size=2, decode_tp_size=1)
     with pytest.raises(ConfigError, match="unknown fleet option 'num_groups'"):
-        FleetConfig.from_config(cfg, num_groups=2)
+        apply_fleet_options(cfg, num_groups=2)
     with pytest.raises(KVTransportUnavailable, match="unknown kv_transport 'smoke'; available: cuda_ipc, nccl, "
                                                      "object_store"):
         create_transport("smoke")
-    fc = FleetConfig.from_config(cfg, mode="disaggregated", num_decode_groups=2, name="x")
-    assert fc.groups() == [("x-p0", "prefill"), ("x-d0", "decode"), ("x-d1", "decode")]
-    assert fc.role_config(cfg, "prefill").graphs.capture == "prefill"
-    assert fc.role_config(cfg, "decode").graphs.capture == "decode"
-    assert fc.role_config(cfg, "colocated").graphs.capture == "both"
+    cfg, fc = apply_fleet_options(cfg, mode="disaggregated", num_decode_groups=2, name="x")
+    assert group_layout(cfg.cluster, fc.name) == [("x-p0", "prefill"), ("x-d0", "decode"), ("x-d1", "decode")]
+    assert role_config(cfg, "prefill").graphs.capture == "prefill"
+    assert role_config(cfg, "decode").graphs.capture == "decode"
+    assert role_config(cfg, "colocated").graphs.capture == "both"
     gate = AdmissionGate(2)
     gate.acquire()
     gate.acquire()
-    with pytest.raises(Overloaded, match=r"2 requests already waiting .*max_queued_requests=2.*retry later"):
+    with pytest.raises(Overloaded, match=r"2 requests already waiting .*scheduler\.max_waiting_requests=2"
+                                         r".*retry later"):
         gate.acquire()
     gate.release()
     gate.acquire()
+
+
+def test_fleet_config_declares_no_config_key():
+    """FleetConfig holds only what no config section says: the rest is read from its section."""
+    def keys(section) -> set[str]:
+        found = set()
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            found |= {f.name} | (keys(value) if dataclasses.is_dataclass(value) else set())
+        return found
+
+    config_keys = keys(Config())
+    assert {"max_waiting_requests", "num_decode_groups", "kv_transport", "request_timeout_s"} <= config_keys
+    assert not {f.name for f in dataclasses.fields(FleetConfig)} & config_keys
+
+
+def test_role_config_without_graphs_for_the_role(path):
+    cfg = _config(path, "graphs.capture=decode", "scheduler.async_scheduling=true")
+    prefill = role_config(cfg, "prefill")
+    assert (prefill.graphs.capture, prefill.scheduler.async_scheduling) == ("none", False)
+    assert role_config(cfg, "decode").scheduler.async_scheduling
 
 
 def test_kv_pages_export_import_roundtrip(path):
@@ -144,7 +169,7 @@ def test_kv_pages_export_import_roundtrip(path):
 
 
 def test_router_picks_least_loaded_ready_group_with_pages():
-    router = Router(page_size=16, max_queued_requests=4)
+    router = Router(page_size=16, max_waiting_requests=4)
     req = FleetRequest("r", [1] * 40, GREEDY, 0, None)  # 3 pages of KV
     loads = [GroupLoad("p0", "prefill", True, 100, 2, 8, 500, 2032),
              GroupLoad("p1", "prefill", True, 100, 1, 8, 100, 2032),
@@ -223,6 +248,11 @@ def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
     assert [ev.finished for ev in events].count(True) == 1
 
 
+def test_fleet_loads_the_tokenizer_once_for_all_its_engines(disagg):
+    assert disagg.tokenizer is not None
+    assert all(s.engine.tokenizer is disagg.tokenizer for s in disagg.members)
+
+
 @pytest.mark.timeout(240)
 def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
     prompts = _prompts(5, seed=3)
@@ -258,7 +288,7 @@ def test_router_overload_deadline_and_abort_free_pages(disagg):
     # Overload: the queue holds 64 new requests; a few more are taken by the groups meanwhile.
     handles = []
     with pytest.raises(Overloaded, match=r"fleet overloaded: 64 requests already waiting for a group "
-                                         r"\(max_queued_requests=64\); retry later"):
+                                         r"\(scheduler\.max_waiting_requests=64\); retry later"):
         for _ in range(200):
             handles.append(disagg.submit(prompt, long, timeout_s=120))
     assert 64 <= len(handles) <= 64 + 3 * 8
@@ -272,6 +302,7 @@ def test_router_overload_deadline_and_abort_free_pages(disagg):
     out = disagg.submit(prompt, long, timeout_s=1.0).result(wait_s=60)
     assert out.finish_reason == "error"
     assert out.error.startswith("deadline exceeded: not finished 1s after submission (")
+    assert out.failure is FailureKind.DEADLINE
     _wait_until(lambda: _pages_back(disagg), 30, "pages back after a deadline")
 
     # Abort while decoding: the decode group held its pages until then.
@@ -341,7 +372,7 @@ def test_killed_group_requests_complete_after_restart(disagg, reference, role):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = [o.token_ids for o in reference(prompts, params)]
     gid = "dis-d0" if role == "decode" else "dis-p0"
-    group = disagg.group(gid)
+    group = fleet_group(disagg, gid)
     restarts = group.restarts
     victim = group.rank_actors()[0]
     stop = threading.Event()
@@ -373,7 +404,7 @@ def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_loca
     expected = [o.token_ids for o in reference(prompts, params)]
     with Fleet.start(_config(path, "cluster.restart=false"), mode="disaggregated", num_decode_groups=2,
                      name="two") as fleet:
-        d0, d1 = fleet.group("two-d0"), fleet.group("two-d1")
+        d0, d1 = fleet_group(fleet, "two-d0"), fleet_group(fleet, "two-d1")
         threads, results, progress = _open_streams(fleet, prompts, params)
         _wait_until(lambda: sum(p >= 2 for p in progress) >= 4, 60, "streams decoding")
         ray.kill(d0.rank_actors()[0], no_restart=True)
@@ -394,6 +425,8 @@ def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_loca
         assert len(failed) >= 1 and reasons.count("length") + len(failed) == 8
         for ev in failed:
             assert ev.error.startswith("no decode group is available: two-d0 is dead (a rank died")
+            assert ev.failure is FailureKind.GROUP_FAILED
         _wait_until(lambda: fleet.health()["status"] == "dead", 30, "fleet status dead")
         late = fleet.generate([prompts[0]], params, timeout_s=60)[0]
         assert late.finish_reason == "error" and "no decode group is available" in late.error
+        assert late.failure is FailureKind.GROUP_FAILED

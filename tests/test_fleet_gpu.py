@@ -11,6 +11,7 @@ import torch  # noqa: E402
 
 from cluster.fleet import Fleet  # noqa: E402
 from deploy.config import load_config  # noqa: E402
+from tests.fleet_probes import fleet_group, group_ids  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 
@@ -54,8 +55,8 @@ def test_fleet_with_graphs_matches_engine(ray_gpu, setup, mode, transport):
         assert [o.token_ids for o in outs] == expected
         groups = fleet.health()["groups"]
         assert all(g["free_pages"] == g["num_pages"] and g["requests"] == 0 for g in groups.values()), groups
-        for gid in fleet.group_ids:
-            group = fleet.group(gid)
+        for gid in group_ids(fleet):
+            group = fleet_group(fleet, gid)
             text = b"".join(ray.get([a.metrics_text.remote() for a in group.rank_actors()], timeout=60)).decode()
             replayed = [line for line in text.splitlines() if line.startswith("cuda_graph_passes_total")
                         and ('mode="decode_cuda_graph"' in line or 'mode="prefill_breakable"' in line)

@@ -94,7 +94,7 @@ def test_rayservice_matches_kuberay_crd(case):
 def test_serve_config_builds_the_values_config(case):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.fleet_config import FleetConfig
+    from cluster.fleet_config import apply_fleet_options, group_layout, role_tp_size
     from deploy.serve_app import build_config
 
     _, values, docs = case
@@ -108,14 +108,14 @@ def test_serve_config_builds_the_values_config(case):
     assert config == Config.from_dict(values["config"])
 
     # One worker group per role, one pod per graphfleet group, ceil(tp x gpus_per_rank) GPUs per pod.
-    layout = FleetConfig.from_config(config).groups()
+    config, fleet = apply_fleet_options(config)
+    layout = group_layout(config.cluster, fleet.name)
     groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     assert set(groups) == {role for _, role in layout}
-    fleet = FleetConfig.from_config(config)
     for role, group in groups.items():
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == \
             sum(r == role for _, r in layout)
-        gpus = str(math.ceil(fleet.tp_size(role) * config.cluster.gpus_per_rank))
+        gpus = str(math.ceil(role_tp_size(config.cluster, role) * config.cluster.gpus_per_rank))
         res = group["template"]["spec"]["containers"][0]["resources"]
         assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == gpus
         assert group["rayStartParams"]["num-gpus"] == gpus

@@ -12,6 +12,7 @@ import ray
 
 from cluster.fleet import Fleet
 from cluster.kv_transport import KVTransportUnavailable
+from tests.fleet_probes import fleet_group
 from tests.test_fleet import (  # noqa: F401 - fixtures are used by name
     GREEDY,
     _config,
@@ -51,7 +52,7 @@ def test_nccl_transport_over_gloo_matches_engine_and_survives_a_decode_restart(r
         more = _prompts(8, seed=6)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         expected = [o.token_ids for o in reference(more, params)]
-        group = fleet.group("p2p-d0")
+        group = fleet_group(fleet, "p2p-d0")
         threads, results, progress = _open_streams(fleet, more, params)
         _wait_until(lambda: sum(p >= 2 for p in progress) >= 2, 60, "streams decoding")
         ray.kill(group.rank_actors()[0], no_restart=True)

@@ -274,7 +274,7 @@ def test_client_disconnect_aborts_stream(server):
 def limited(server, path):
     """Base URL of a third app: a fleet queueing at most 2 new requests, 1.5 s request deadline."""
     app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny",
-                       "request_timeout_s": 1.5, "fleet": {"name": "slim", "max_queued_requests": 2}})
+                       "request_timeout_s": 1.5, "fleet": {"name": "slim", "max_waiting_requests": 2}})
     serve.run(app, name="graphfleet-lim", route_prefix="/lim", blocking=False)
     wait_healthy(f"{server}/lim")
     yield f"{server}/lim"
@@ -313,6 +313,20 @@ def test_overload_is_429_with_retry_after_and_deadline_is_504(limited):
     assert status == 200 and events[-1] == "data: [DONE]"
     assert "deadline" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
     assert _http("GET", f"{limited}/health")[0] == 200
+
+
+def test_a_failed_generation_is_504_past_its_deadline_else_500():
+    from deploy.errors import generation_failed
+    from worker.outputs import FailureKind, RequestEvent
+
+    def failed(failure, error="timeout of the step"):
+        return generation_failed(RequestEvent("r", [], "", True, "error", None, error, failure))
+
+    deadline = failed(FailureKind.DEADLINE, "deadline exceeded: not finished 1s after submission")
+    assert (deadline.status, deadline.type) == (504, "timeout_error")
+    assert deadline.message == "generation failed: deadline exceeded: not finished 1s after submission"
+    for kind in set(FailureKind) - {FailureKind.DEADLINE}:
+        assert (failed(kind).status, failed(kind).type) == (500, "internal_error")
 
 
 def test_starting_fleet_reports_a_failed_start(server, path):

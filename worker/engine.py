@@ -14,10 +14,10 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from worker.admission import PromptLimits, encode_prompt
 from worker.config import EngineConfig
 from worker.detokenizer import OutputText
 from worker.executor import Executor
@@ -27,7 +27,7 @@ from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
 from worker.step_pipeline import InFlightStep, async_step, sync_step
-from worker.tokenizer import Tokenizer
+from worker.tokenizer import Tokenizer, load_tokenizer
 from worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,13 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, registry: CollectorRegistry | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer``: the checkpoint's, when the caller has loaded it already (a fleet shares one
+        among its engines); None loads it from ``model.path`` (if it has a ``tokenizer.json``)."""
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
         self.config = config
-        model_dir = Path(config.model.path)
-        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         self.executor = executor if executor is not None else Worker.local(config, registry)
         self.arch = self.executor.arch
         page_size = config.cache.page_size
@@ -86,19 +87,17 @@ class Engine:
     def num_free_pages(self) -> int:
         return self.allocator.num_free
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this checkpoint has no tokenizer.json: pass token ids")
-            return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """What a prompt must satisfy here (``max_model_len`` as it is now: a fleet lowers it to its shortest)."""
+        return PromptLimits(self.arch.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; raises :class:`RequestRejected` (naming the problem) and changes nothing."""
         params = params or SamplingParams()
-        ids = self.encode(prompt)
-        self._check_prompt(ids)
+        ids = encode_prompt(prompt, self.tokenizer)
+        self.prompt_limits.check(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
@@ -107,17 +106,6 @@ class Engine:
         self._register(req)
         self.scheduler.add(req)
         return rid
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise RequestRejected("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} outside the vocabulary [0, {self.arch.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)")
 
     def _register(self, req: Request) -> None:
         """Track ``req`` and give it an output text primed with the tokens it already has."""
@@ -130,7 +118,7 @@ class Engine:
     def _resumed(self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams, seed: int,
                  request_id: str, logprobs: Sequence[float]) -> Request:
         ids = [int(t) for t in prompt_ids]
-        self._check_prompt(ids)
+        self.prompt_limits.check(ids)
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params, seed, next(self._arrivals))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -17,6 +18,24 @@ class StepStats:
     rank_s: float = 0.0  # of which the rank's own Worker.execute (the rest is the hop to the rank)
 
 
+class FailureKind(enum.Enum):
+    """Why a request ended with finish_reason "error" (set with ``error`` by the fleet, which ends it).
+
+    DEADLINE: not finished within its ``timeout_s``.
+    GROUP_FAILED: its group failed and it could not go on: the group is lost (dead and not
+        restarting), no group of a role it needs is left, or its group's executor is gone.
+    REJECTED: a group's engine refused it (``RequestRejected``).
+    GAVE_UP: its KV was lost ``cluster.max_attempts`` times (group failures, failed hand-offs).
+    FLEET_STOPPED: the fleet shut down, or its loop crashed, before it finished.
+    """
+
+    DEADLINE = "deadline"
+    GROUP_FAILED = "group_failed"
+    REJECTED = "rejected"
+    GAVE_UP = "gave_up"
+    FLEET_STOPPED = "fleet_stopped"
+
+
 @dataclass(frozen=True)
 class RequestEvent:
     """Progress of one request in one step: new tokens, the text they completed, and finish."""
@@ -28,10 +47,13 @@ class RequestEvent:
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
+    failure: FailureKind | None = None  # the kind of that error (set by the fleet)
 
 
 @dataclass(frozen=True)
 class RequestOutput:
+    """A finished request: its prompt and output tokens, text and finish reason (with why, on an error)."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -40,3 +62,4 @@ class RequestOutput:
     logprobs: list[float] | None
     num_preemptions: int
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
+    failure: FailureKind | None = None  # the kind of that error (set by the fleet)

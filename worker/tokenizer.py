@@ -16,7 +16,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
-__all__ = ["ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "IncrementalDecoder", "Tokenizer"]
+__all__ = ["ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "IncrementalDecoder", "Tokenizer", "load_tokenizer"]
 
 DEFAULT_CHAT_TEMPLATE = """{%- for message in messages %}
     {{- message['role'] + ': ' + message['content'] + '\\n' }}
@@ -318,6 +318,13 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self._source!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of checkpoint ``model_dir``, or None when it has no ``tokenizer.json`` (its prompts
+    are token ids and its outputs have no text)."""
+    root = Path(model_dir)
+    return Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
 
 
 class IncrementalDecoder:

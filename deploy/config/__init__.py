@@ -9,8 +9,9 @@ The composition point: each section is owned by the layer that uses it (:mod:`gr
 """
 
 from cluster.config import ClusterConfig, GroupConfig
-from configkit import ConfigError, apply_overrides, parse_override, with_overrides
+from configkit import ConfigError
 from deploy.config.loader import DEFAULT_CONFIG_PATH, load_config
+from deploy.config.overrides import apply_overrides, parse_override, with_overrides
 from deploy.config.schema import Config, ServeConfig
 from graphs.config import DecodeGraphConfig, GraphsConfig, PrefillGraphConfig
 from worker.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from configkit import ConfigError, apply_overrides, describe
+from configkit import ConfigError, describe
+from deploy.config.overrides import apply_overrides
 from deploy.config.schema import Config
 
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "default.yaml"

@@ -8,8 +8,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from configkit.errors import ConfigError
-from configkit.typed import Section, to_plain
+from configkit import ConfigError, Section, to_plain
 
 _S = TypeVar("_S", bound=Section)
 
