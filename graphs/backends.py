@@ -166,61 +166,76 @@ class GraphBackend(ABC):
         return None
 
 
-class FullGraphBackend(GraphBackend):
+class _CudaGraphBackend(GraphBackend):
+    """A backend whose artifact is a CUDA graph object (``replay()``, ``reset()``) recorded on the
+    process capture stream: the capture preamble and the clean-up of a failed capture, shared."""
+
+    def _capture(self, fn):
+        if self.barrier is not None:
+            self.barrier()
+        graph = self._new_graph()
+        try:
+            self._record(graph, capture_stream(self.device), fn)
+        except BaseException:
+            graph.reset()
+            raise
+        torch.cuda.synchronize(self.device)
+        return (graph, *self._structure(graph))
+
+    @abstractmethod
+    def _new_graph(self) -> object: ...
+
+    @abstractmethod
+    def _record(self, graph, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+        """Record ``fn`` into ``graph`` on ``stream`` (raises on failure; the caller resets the graph)."""
+
+    @abstractmethod
+    def _structure(self, graph) -> tuple[int, int]:
+        """(number of segments, number of breaks) of a recorded ``graph``."""
+
+    def _replay(self, artifact):
+        artifact.replay()
+
+    def _release(self, artifact):
+        artifact.reset()
+
+
+class FullGraphBackend(_CudaGraphBackend):
     """One ``torch.cuda.CUDAGraph`` per shape; everything in ``fn`` must be graph-safe."""
 
     name = "full"
 
-    def _capture(self, fn):
-        if self.barrier is not None:
-            self.barrier()
-        graph = torch.cuda.CUDAGraph()
-        stream = capture_stream(self.device)
-        try:
-            with ForkTracker(stream) as forks, sync_is_error(self.device), \
-                    torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                try:
-                    fn()
-                finally:
-                    unjoined = forks.join_all()  # before capture_end, whatever happened
-            if unjoined:
-                raise unjoined_error(unjoined, "the end of capture")
-        except BaseException:
-            graph.reset()
-            raise
-        torch.cuda.synchronize(self.device)
-        return graph, 1, 0
+    def _new_graph(self):
+        return torch.cuda.CUDAGraph()
 
-    def _replay(self, artifact):
-        artifact.replay()
+    def _record(self, graph, stream, fn):
+        with ForkTracker(stream) as forks, sync_is_error(self.device), \
+                torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            try:
+                fn()
+            finally:
+                unjoined = forks.join_all()  # before capture_end, whatever happened
+        if unjoined:
+            raise unjoined_error(unjoined, "the end of capture")
 
-    def _release(self, artifact):
-        artifact.reset()
+    def _structure(self, graph):
+        return 1, 0
 
 
-class BreakableGraphBackend(GraphBackend):
+class BreakableGraphBackend(_CudaGraphBackend):
     """Graph segments around the ``@eager_break`` calls that ``fn`` makes."""
 
     name = "breakable"
 
-    def _capture(self, fn):
-        if self.barrier is not None:
-            self.barrier()
-        graph = BreakableGraph()
-        try:
-            with BreakableCapture(graph, self.pool, capture_stream(self.device), self.barrier):
-                fn()
-        except BaseException:
-            graph.reset()
-            raise
-        torch.cuda.synchronize(self.device)
-        return graph, len(graph.segments), len(graph.breaks)
+    def _new_graph(self):
+        return BreakableGraph()
 
-    def _replay(self, artifact):
-        artifact.replay()
+    def _record(self, graph, stream, fn):
+        with BreakableCapture(graph, self.pool, stream, self.barrier):
+            fn()
 
-    def _release(self, artifact):
-        artifact.reset()
+    def _structure(self, graph):
+        return len(graph.segments), len(graph.breaks)
 
 
 class TcPiecewiseBackend(BreakableGraphBackend):
