@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
-from graphs.piecewise import compile_clock
+from graphs.piecewise import CompileClock, compile_clock
 from graphs.process import capture_stream, graph_pool, pool_bytes
 
 
@@ -238,14 +238,8 @@ class BreakableGraphBackend(_CudaGraphBackend):
         return len(graph.segments), len(graph.breaks)
 
 
-class TcPiecewiseBackend(BreakableGraphBackend):
-    """Captures a ``torch.compile``d forward split at its opaque ops (:mod:`graphs.piecewise`).
-
-    ``fn`` must call a :class:`graphs.piecewise.PiecewiseCompiled` forward whose splitting ops run
-    ``@eager_break`` bodies (``worker.attention.splitting``). On CUDA each compiled piece is one
-    graph segment per shape and the ops run eagerly between segments (the breakable capture:
-    same pool, stream, boundary-buffer and fork contracts). Off CUDA nothing is captured: a
-    replay calls ``fn``, i.e. the compiled pieces run without graphs.
+class _CompileTimed(GraphBackend):
+    """The compile/capture split of the ``tc_piecewise`` backends' captures.
 
     The first capture compiles (one compile serves every shape); ``compile_seconds`` and
     ``capture_seconds`` split this backend's capture wall time into the two.
@@ -260,10 +254,6 @@ class TcPiecewiseBackend(BreakableGraphBackend):
         self.capture_seconds = 0.0
         self.compiles = 0
 
-    @property
-    def is_graph(self) -> bool:
-        return self.device.type == "cuda"
-
     def capture(self, key: Hashable, fn: Callable[[], None], phase: str = "") -> CapturedShape:
         start = time.perf_counter()
         with compile_clock() as clock:
@@ -273,9 +263,11 @@ class TcPiecewiseBackend(BreakableGraphBackend):
                 self.compile_seconds += clock.seconds
                 self.compiles += clock.compiles
                 self.capture_seconds += time.perf_counter() - start - clock.seconds
-        if self.device.type != "cuda":
-            shape.num_segments, shape.num_breaks = clock.pieces, clock.splits
+        self._count_pieces(shape, clock)
         return shape
+
+    def _count_pieces(self, shape: CapturedShape, clock: CompileClock) -> None:
+        """Set ``shape``'s segment and break counts where the capture itself does not."""
 
     def stats(self) -> dict[str, float | int]:
         """Compile and capture seconds spent in this backend's captures, compiles, shapes held.
@@ -286,21 +278,35 @@ class TcPiecewiseBackend(BreakableGraphBackend):
         return {"compile_seconds": self.compile_seconds, "capture_seconds": self.capture_seconds,
                 "compiles": self.compiles, "shapes": len(self.shapes)}
 
+
+class TcPiecewiseBackend(_CompileTimed, BreakableGraphBackend):
+    """Captures a ``torch.compile``d forward split at its opaque ops (:mod:`graphs.piecewise`), on CUDA.
+
+    ``fn`` must call a :class:`graphs.piecewise.PiecewiseCompiled` forward whose splitting ops run
+    ``@eager_break`` bodies (``worker.attention.splitting``). Each compiled piece is one graph
+    segment per shape and the ops run eagerly between segments: the breakable capture (same pool,
+    stream, boundary-buffer and fork contracts).
+    """
+
+
+class TcPiecewiseNoGraphBackend(_CompileTimed):
+    """``tc_piecewise`` off CUDA: the compiled pieces run without graphs (a replay calls ``fn``).
+
+    Nothing is captured, so passes count as eager (reason ``tc_piecewise``); a shape's segment and
+    break counts are the compiled forward's pieces and splits.
+    """
+
+    is_graph = False
+
     def _capture(self, fn):
-        if self.device.type == "cuda":
-            return super()._capture(fn)
         fn()  # compiles on the first shape, so capture time and compile time are known here too
         return fn, 0, 0
 
     def _replay(self, artifact):
-        if self.device.type == "cuda":
-            artifact.replay()
-        else:
-            artifact()
+        artifact()
 
-    def _release(self, artifact):
-        if self.device.type == "cuda":
-            artifact.reset()
+    def _count_pieces(self, shape, clock):
+        shape.num_segments, shape.num_breaks = clock.pieces, clock.splits
 
 
 class DebugBackend(GraphBackend):
@@ -328,6 +334,7 @@ BACKENDS: dict[str, type[GraphBackend]] = {
     "tc_piecewise": TcPiecewiseBackend,
     "debug": DebugBackend,
 }
+OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBackend, "debug": DebugBackend}
 
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
@@ -338,6 +345,8 @@ def create_backend(name: str, device: torch.device, warmup: int = 2,
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
-    if name not in ("debug", "tc_piecewise") and device.type != "cuda":
+    if device.type == "cuda":
+        return BACKENDS[name](device, warmup, barrier, pool)
+    if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
-    return BACKENDS[name](device, warmup, barrier, pool)
+    return OFF_CUDA[name](device, warmup, barrier, pool)
