@@ -339,7 +339,7 @@ OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBac
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> GraphBackend:
-    """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` means no runner at all).
+    """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` is the eager runner: no backend).
 
     Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
     """

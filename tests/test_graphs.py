@@ -13,6 +13,7 @@ from graphs.backends import DebugBackend, create_backend
 from graphs.breakable import capturing, eager_break
 from graphs.buckets import choose_bucket, default_decode_ladder
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
+from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
 from tests.graph_harness import RandomDecodeBatch, eager_logits, fill_cache_randomly, random_decode_batch
 from tests.reference import OwnModel, rel_err
@@ -135,7 +136,7 @@ def test_eager_engine_on_cpu_logs_why_graphs_are_off(checkpoint_dir, caplog):
     registry = CollectorRegistry()
     with caplog.at_level("INFO"):
         engine = Engine(load_config(None, [f"model.path={checkpoint_dir('tiny-llama')}"]), registry=registry)
-    assert engine.worker.runner.decode_graphs is None
+    assert isinstance(engine.worker.runner.decode_runner, EagerRunner)
     assert "no CUDA device: CUDA graphs are off" in caplog.text
     engine.generate([[5] * 4], SamplingParams(max_tokens=3, ignore_eos=True))
     assert registry.get_sample_value("cuda_graph_fallbacks_total", {"phase": "decode", "reason": "no_cuda"}) == 2

@@ -120,7 +120,7 @@ def test_engine_prefill_runner_path(checkpoint_dir):
     overrides = [f"model.path={path}", "scheduler.chunked_prefill_size=256", "graphs.prefill.max_tokens=256",
                  "graphs.prefill.num_request_slots=2"]
     debug = Engine(load_config(None, [*overrides, "graphs.debug=true"]), registry=registry)
-    assert len(debug.worker.runner.prefill_graphs.ladder) == 4
+    assert len(debug.worker.runner.prefill_runner.ladder) == 4
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(30, 120))] for _ in range(5)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

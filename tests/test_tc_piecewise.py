@@ -179,7 +179,7 @@ def test_worker_wires_tc_piecewise_and_generates_as_eager(two_layers):
     overrides = [f"model.path={two_layers}", "scheduler.chunked_prefill_size=256", "graphs.prefill.max_tokens=256",
                  "graphs.prefill.num_request_slots=2"]
     tc = Engine(load_config(None, [*overrides, "graphs.prefill.backend=tc_piecewise"]), registry=registry)
-    runner = tc.worker.runner.prefill_graphs
+    runner = tc.worker.runner.prefill_runner
     assert runner.backend.name == "tc_piecewise" and sorted(runner.backend.shapes) == runner.ladder
     assert runner.step.compiled.compiles == 1
     rng = random.Random(5)
