@@ -15,10 +15,16 @@ from graphs.buckets import choose_bucket, default_decode_ladder
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
 from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
-from tests.graph_harness import RandomDecodeBatch, eager_logits, fill_cache_randomly, random_decode_batch
+from tests.graph_harness import (
+    RandomDecodeBatch,
+    eager_logits,
+    fill_cache_randomly,
+    pad_decode_batch,
+    random_decode_batch,
+)
 from tests.reference import OwnModel, rel_err
 from worker.engine import Engine
-from worker.model_steps import ModelDecodeStep, pad_decode_batch
+from worker.model_steps import ModelDecodeStep
 from worker.sampling.params import SamplingParams
 
 

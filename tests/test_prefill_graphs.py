@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 from deploy.config import ConfigError, load_config
 from graphs.backends import DebugBackend
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
-from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
+from tests.graph_harness import eager_hidden, fill_cache_randomly, pad_prefill_batch, random_prefill_batch
 from tests.reference import OwnModel, rel_err
 from worker.attention.base import AttentionBatch
 from worker.engine import Engine
-from worker.model_steps import ModelPrefillStep, pad_prefill_batch
+from worker.model_steps import ModelPrefillStep
 from worker.sampling.params import SamplingParams
 
 
