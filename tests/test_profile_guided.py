@@ -9,12 +9,17 @@ import sys
 from deploy.config import load_config
 from graphs.profile import BatchProfile
 from worker.engine import Engine
-from worker.traces import load_trace, run_trace, save_trace, skewed_trace
+from worker.traces import load_trace, run_trace, skewed_trace
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy", "--log-level", "WARNING", *args],
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+def save_trace(trace: list[dict], path) -> None:
+    """Write ``trace`` in the JSON-lines form :func:`worker.traces.load_trace` reads."""
+    path.write_text("".join(json.dumps(t) + "\n" for t in trace))
 
 
 def test_skewed_trace_is_deterministic_and_skewed(tmp_path):
