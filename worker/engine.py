@@ -114,7 +114,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seed = params.effective_seed(self._rng)
         req = Request(rid, ids, params, seed, next(self._arrivals))
         self._register(req)
         self.scheduler.add(req)
