@@ -80,6 +80,7 @@ class Engine:
         return self.executor
 
     def shutdown(self) -> None:
+        """Shut the executor down (graphs released before what they point at)."""
         self.executor.shutdown()
 
     @property
@@ -96,6 +97,7 @@ class Engine:
 
     @property
     def num_free_pages(self) -> int:
+        """KV pages free for new requests now."""
         return self.allocator.num_free
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -213,6 +215,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
+        """Whether a request is waiting or running, or a step is still in flight."""
         return self.scheduler.has_work() or self.pipeline.in_flight
 
     @property
@@ -232,6 +235,7 @@ class Engine:
         return self.pipeline.step()
 
     def output(self, request_id: str) -> RequestOutput:
+        """``request_id``'s tokens, text and finish reason so far (until :meth:`release`)."""
         req = self.requests[request_id]
         return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids),
                              self.output_processor.text(request_id), req.finish_reason,
