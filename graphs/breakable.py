@@ -234,11 +234,6 @@ class BreakableCapture:
         return result
 
 
-def capturing() -> bool:
-    """True inside an active :class:`BreakableCapture` of this context."""
-    return _active.get() is not None
-
-
 def eager_break(fn: Callable | None = None, *, capture_stub: Callable | None = None):
     """Mark ``fn`` as an eager break (SGLang: ``@eager_on_graph``).
 

@@ -9,8 +9,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deploy.config import load_config
+from graphs import breakable
 from graphs.backends import DebugBackend, create_backend
-from graphs.breakable import capturing, eager_break
+from graphs.breakable import eager_break
 from graphs.buckets import choose_bucket, default_decode_ladder
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
 from graphs.eager import EagerRunner
@@ -155,6 +156,11 @@ def test_graph_backends_need_cuda():
     with pytest.raises(ValueError, match="allowed: full, breakable, tc_piecewise, debug"):
         create_backend("fast", torch.device("cpu"))
     assert not create_backend("tc_piecewise", torch.device("cpu")).is_graph  # compiled pieces, no graphs
+
+
+def capturing() -> bool:
+    """True inside an active breakable capture of this context."""
+    return breakable._active.get() is not None
 
 
 def test_eager_break_outside_capture_is_a_plain_call():
