@@ -85,4 +85,3 @@ def release_warm_up_memory(device: torch.device) -> None:
         return
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-

@@ -278,4 +278,3 @@ class Engine:
         finally:
             self.abort(rid)
             self.release(rid)
-
