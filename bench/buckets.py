@@ -56,9 +56,9 @@ def run_one(args, ladder: str, out: str) -> None:
     w = engine.worker
     if ladder == "default":
         w.profile().save(str(profile_path))
-    side = {"decode": list(w.runner.decode_graphs.ladder), "prefill": list(w.runner.prefill_graphs.ladder),
-            "bytes": w.runner.decode_graphs.backend.resident_bytes + w.runner.prefill_graphs.backend.resident_bytes,
-            "slots": w.runner.prefill_graphs.slots, "ratio": w.runner.prefill_graphs.max_padding_ratio,
+    side = {"decode": list(w.runner.decode_runner.ladder), "prefill": list(w.runner.prefill_runner.ladder),
+            "bytes": w.runner.decode_runner.backend.resident_bytes + w.runner.prefill_runner.backend.resident_bytes,
+            "slots": w.runner.prefill_runner.slots, "ratio": w.runner.prefill_runner.max_padding_ratio,
             "budget_notes": list(w.budget_report.notes) if w.budget_report is not None else [],
             "step_s": step_s}
     engine.shutdown()

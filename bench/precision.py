@@ -26,8 +26,8 @@ from bench.common import environment, print_table, write_results  # noqa: E402
 from tests.reference import OwnModel, hf_logits, rel_l2  # noqa: E402
 from tests.trained import corpus_prompts, train_checkpoint  # noqa: E402
 from worker.checkpoint import write_checkpoint  # noqa: E402
-from worker.model import flashinfer_kernels  # noqa: E402
-from worker.model.kernels import TorchKernels  # noqa: E402
+from worker.model.flashinfer_kernels import FlashInferKernels  # noqa: E402
+from worker.model.torch_kernels import TorchKernels  # noqa: E402
 
 PROMPT_LENS = [5, 17, 33, 1, 48, 70]
 DECODE_STEPS = 16
@@ -96,7 +96,7 @@ def main() -> None:
 
     root = Path(args.checkpoints or tempfile.mkdtemp(prefix="precision-"))
     dev = args.device
-    fused = flashinfer_kernels if dev == "cuda" and flashinfer_kernels.available() else None
+    fused = FlashInferKernels() if dev == "cuda" and FlashInferKernels.available() else None
     rows = []
     for preset in args.presets.split(","):
         src = root / preset

@@ -35,7 +35,7 @@ from worker.attention.factory import create_attention_backend  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
-from worker.model_steps import CompiledPrefillStep, ModelPrefillStep, pad_prefill_batch  # noqa: E402
+from worker.model_steps import CompiledPrefillStep, ModelPrefillStep  # noqa: E402
 
 CUDA = torch.device("cuda")
 SLOTS = 4
@@ -64,7 +64,7 @@ def eager(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float]:
         live = setup.batch(n)
 
         def step():
-            setup.attention.plan(pad_prefill_batch(live.attention, n, SLOTS))
+            setup.attention.plan(live.attention, SLOTS, n)
             hidden = setup.model(live.input_ids, live.positions, setup.attention)
             return setup.model.compute_logits(hidden[-1:])
 
@@ -128,7 +128,7 @@ def meta_peer(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float
         live = setup.batch(n)
         ids, pos = live.input_ids.clone(), live.positions.clone()
         hidden = torch.empty((n, setup.arch.hidden_size), dtype=torch.bfloat16, device="cuda")
-        attention.plan(pad_prefill_batch(live.attention, n, SLOTS))
+        attention.plan(live.attention, SLOTS, n)
         breaks = MetaBreaks()
         with torch.cuda.stream(stream):
             for _ in range(2):
@@ -139,7 +139,7 @@ def meta_peer(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float
             hidden.copy_(setup.model(ids, pos, breaks))
 
         def step():
-            attention.plan(pad_prefill_batch(live.attention, n, SLOTS))
+            attention.plan(live.attention, SLOTS, n)
             graph.replay()
             return setup.model.compute_logits(hidden[-1:])
 

@@ -118,7 +118,7 @@ class Fleet:
             # (and where it moves after a failure) never changes where it ends.
             max_len = min(s.engine.max_model_len for s in members)
             for s in members:
-                s.engine.max_model_len = max_len
+                s.engine.cap_max_model_len(max_len)
         except BaseException:
             _shutdown_groups(list(groups.values()))
             raise
@@ -177,7 +177,7 @@ class Fleet:
             if rid in self._live:
                 raise RequestRejected(f"request id {rid!r} is already in use")
             self.router.gate.acquire()
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+            seed = params.effective_seed(self._rng)
             self._live.add(rid)
         request = FleetRequest(rid, ids, params, seed, timeout_s, sink=EventSink(self._loop.wakeups))
         self._loop.commands.put(("submit", request))

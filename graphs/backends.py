@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
-from graphs.piecewise import compile_clock
+from graphs.piecewise import CompileClock, compile_clock
 from graphs.process import capture_stream, graph_pool, pool_bytes
 
 
@@ -166,71 +166,80 @@ class GraphBackend(ABC):
         return None
 
 
-class FullGraphBackend(GraphBackend):
+class _CudaGraphBackend(GraphBackend):
+    """A backend whose artifact is a CUDA graph object (``replay()``, ``reset()``) recorded on the
+    process capture stream: the capture preamble and the clean-up of a failed capture, shared."""
+
+    def _capture(self, fn):
+        if self.barrier is not None:
+            self.barrier()
+        graph = self._new_graph()
+        try:
+            self._record(graph, capture_stream(self.device), fn)
+        except BaseException:
+            graph.reset()
+            raise
+        torch.cuda.synchronize(self.device)
+        return (graph, *self._structure(graph))
+
+    @abstractmethod
+    def _new_graph(self) -> object: ...
+
+    @abstractmethod
+    def _record(self, graph, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+        """Record ``fn`` into ``graph`` on ``stream`` (raises on failure; the caller resets the graph)."""
+
+    @abstractmethod
+    def _structure(self, graph) -> tuple[int, int]:
+        """(number of segments, number of breaks) of a recorded ``graph``."""
+
+    def _replay(self, artifact):
+        artifact.replay()
+
+    def _release(self, artifact):
+        artifact.reset()
+
+
+class FullGraphBackend(_CudaGraphBackend):
     """One ``torch.cuda.CUDAGraph`` per shape; everything in ``fn`` must be graph-safe."""
 
     name = "full"
 
-    def _capture(self, fn):
-        if self.barrier is not None:
-            self.barrier()
-        graph = torch.cuda.CUDAGraph()
-        stream = capture_stream(self.device)
-        try:
-            with ForkTracker(stream) as forks, sync_is_error(self.device), \
-                    torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                try:
-                    fn()
-                finally:
-                    unjoined = forks.join_all()  # before capture_end, whatever happened
-            if unjoined:
-                raise unjoined_error(unjoined, "the end of capture")
-        except BaseException:
-            graph.reset()
-            raise
-        torch.cuda.synchronize(self.device)
-        return graph, 1, 0
+    def _new_graph(self):
+        return torch.cuda.CUDAGraph()
 
-    def _replay(self, artifact):
-        artifact.replay()
+    def _record(self, graph, stream, fn):
+        with ForkTracker(stream) as forks, sync_is_error(self.device), \
+                torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            try:
+                fn()
+            finally:
+                unjoined = forks.join_all()  # before capture_end, whatever happened
+        if unjoined:
+            raise unjoined_error(unjoined, "the end of capture")
 
-    def _release(self, artifact):
-        artifact.reset()
+    def _structure(self, graph):
+        return 1, 0
 
 
-class BreakableGraphBackend(GraphBackend):
+class BreakableGraphBackend(_CudaGraphBackend):
     """Graph segments around the ``@eager_break`` calls that ``fn`` makes."""
 
     name = "breakable"
 
-    def _capture(self, fn):
-        if self.barrier is not None:
-            self.barrier()
-        graph = BreakableGraph()
-        try:
-            with BreakableCapture(graph, self.pool, capture_stream(self.device), self.barrier):
-                fn()
-        except BaseException:
-            graph.reset()
-            raise
-        torch.cuda.synchronize(self.device)
-        return graph, len(graph.segments), len(graph.breaks)
+    def _new_graph(self):
+        return BreakableGraph()
 
-    def _replay(self, artifact):
-        artifact.replay()
+    def _record(self, graph, stream, fn):
+        with BreakableCapture(graph, self.pool, stream, self.barrier):
+            fn()
 
-    def _release(self, artifact):
-        artifact.reset()
+    def _structure(self, graph):
+        return len(graph.segments), len(graph.breaks)
 
 
-class TcPiecewiseBackend(BreakableGraphBackend):
-    """Captures a ``torch.compile``d forward split at its opaque ops (:mod:`graphs.piecewise`).
-
-    ``fn`` must call a :class:`graphs.piecewise.PiecewiseCompiled` forward whose splitting ops run
-    ``@eager_break`` bodies (``worker.attention.splitting``). On CUDA each compiled piece is one
-    graph segment per shape and the ops run eagerly between segments (the breakable capture:
-    same pool, stream, boundary-buffer and fork contracts). Off CUDA nothing is captured: a
-    replay calls ``fn``, i.e. the compiled pieces run without graphs.
+class _CompileTimed(GraphBackend):
+    """The compile/capture split of the ``tc_piecewise`` backends' captures.
 
     The first capture compiles (one compile serves every shape); ``compile_seconds`` and
     ``capture_seconds`` split this backend's capture wall time into the two.
@@ -245,10 +254,6 @@ class TcPiecewiseBackend(BreakableGraphBackend):
         self.capture_seconds = 0.0
         self.compiles = 0
 
-    @property
-    def is_graph(self) -> bool:
-        return self.device.type == "cuda"
-
     def capture(self, key: Hashable, fn: Callable[[], None], phase: str = "") -> CapturedShape:
         start = time.perf_counter()
         with compile_clock() as clock:
@@ -258,9 +263,11 @@ class TcPiecewiseBackend(BreakableGraphBackend):
                 self.compile_seconds += clock.seconds
                 self.compiles += clock.compiles
                 self.capture_seconds += time.perf_counter() - start - clock.seconds
-        if self.device.type != "cuda":
-            shape.num_segments, shape.num_breaks = clock.pieces, clock.splits
+        self._count_pieces(shape, clock)
         return shape
+
+    def _count_pieces(self, shape: CapturedShape, clock: CompileClock) -> None:
+        """Set ``shape``'s segment and break counts where the capture itself does not."""
 
     def stats(self) -> dict[str, float | int]:
         """Compile and capture seconds spent in this backend's captures, compiles, shapes held.
@@ -271,21 +278,35 @@ class TcPiecewiseBackend(BreakableGraphBackend):
         return {"compile_seconds": self.compile_seconds, "capture_seconds": self.capture_seconds,
                 "compiles": self.compiles, "shapes": len(self.shapes)}
 
+
+class TcPiecewiseBackend(_CompileTimed, BreakableGraphBackend):
+    """Captures a ``torch.compile``d forward split at its opaque ops (:mod:`graphs.piecewise`), on CUDA.
+
+    ``fn`` must call a :class:`graphs.piecewise.PiecewiseCompiled` forward whose splitting ops run
+    ``@eager_break`` bodies (``worker.attention.splitting``). Each compiled piece is one graph
+    segment per shape and the ops run eagerly between segments: the breakable capture (same pool,
+    stream, boundary-buffer and fork contracts).
+    """
+
+
+class TcPiecewiseNoGraphBackend(_CompileTimed):
+    """``tc_piecewise`` off CUDA: the compiled pieces run without graphs (a replay calls ``fn``).
+
+    Nothing is captured, so passes count as eager (reason ``tc_piecewise``); a shape's segment and
+    break counts are the compiled forward's pieces and splits.
+    """
+
+    is_graph = False
+
     def _capture(self, fn):
-        if self.device.type == "cuda":
-            return super()._capture(fn)
         fn()  # compiles on the first shape, so capture time and compile time are known here too
         return fn, 0, 0
 
     def _replay(self, artifact):
-        if self.device.type == "cuda":
-            artifact.replay()
-        else:
-            artifact()
+        artifact()
 
-    def _release(self, artifact):
-        if self.device.type == "cuda":
-            artifact.reset()
+    def _count_pieces(self, shape, clock):
+        shape.num_segments, shape.num_breaks = clock.pieces, clock.splits
 
 
 class DebugBackend(GraphBackend):
@@ -313,16 +334,19 @@ BACKENDS: dict[str, type[GraphBackend]] = {
     "tc_piecewise": TcPiecewiseBackend,
     "debug": DebugBackend,
 }
+OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBackend, "debug": DebugBackend}
 
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> GraphBackend:
-    """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` means no runner at all).
+    """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` is the eager runner: no backend).
 
     Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
-    if name not in ("debug", "tc_piecewise") and device.type != "cuda":
+    if device.type == "cuda":
+        return BACKENDS[name](device, warmup, barrier, pool)
+    if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
-    return BACKENDS[name](device, warmup, barrier, pool)
+    return OFF_CUDA[name](device, warmup, barrier, pool)

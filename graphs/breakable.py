@@ -120,7 +120,6 @@ class BreakableGraph:
     def __init__(self) -> None:
         self.segments: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Callable[[], None]] = []
-        self.break_names: list[str] = []
 
     def replay(self) -> None:
         for i, segment in enumerate(self.segments):
@@ -133,7 +132,6 @@ class BreakableGraph:
             segment.reset()
         self.segments.clear()
         self.breaks.clear()
-        self.break_names.clear()
 
 
 class BreakableCapture:
@@ -232,14 +230,8 @@ class BreakableCapture:
                 fn(*weak_args, **weak_kwargs)
 
         self.graph.breaks.append(replay_break)
-        self.graph.break_names.append(name)
         self._begin_segment()
         return result
-
-
-def capturing() -> bool:
-    """True inside an active :class:`BreakableCapture` of this context."""
-    return _active.get() is not None
 
 
 def eager_break(fn: Callable | None = None, *, capture_stub: Callable | None = None):

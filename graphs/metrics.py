@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 MODE_SUFFIX = {"full": "cuda_graph", "breakable": "breakable", "tc_piecewise": "tc_piecewise"}
@@ -37,15 +39,31 @@ class GraphMetrics:
         self.replans = Counter("cuda_graph_replans", "Live re-plans of the graph ladders", extra, registry=reg)
         if self.labels:  # export 0 before the first re-plan (an unlabelled counter always has its sample)
             self.replans.labels(**self.labels)
+        # The children a step records into, resolved on first use (a child exports its sample from
+        # then on, so none is made before its first record): a step's records are a dict lookup each.
+        self._passes: dict[tuple[str, str | None], Any] = {}
+        self._fallbacks: dict[tuple[str, str], Any] = {}
+        self._padding: dict[str, Any] = {}
 
     def record_pass(self, phase: str, backend: str | None, reason: str | None) -> None:
         """One forward pass; ``backend`` None (or a non-graph backend) counts as ``<phase>_none``."""
-        self.passes.labels(phase=phase, mode=pass_mode(phase, backend), **self.labels).inc()
+        passes = self._passes.get((phase, backend))
+        if passes is None:
+            passes = self._passes[(phase, backend)] = self.passes.labels(
+                phase=phase, mode=pass_mode(phase, backend), **self.labels)
+        passes.inc()
         if reason is not None:
-            self.fallbacks.labels(phase=phase, reason=reason, **self.labels).inc()
+            fallbacks = self._fallbacks.get((phase, reason))
+            if fallbacks is None:
+                fallbacks = self._fallbacks[(phase, reason)] = self.fallbacks.labels(
+                    phase=phase, reason=reason, **self.labels)
+            fallbacks.inc()
 
     def record_padding(self, phase: str, padded: int, real: int) -> None:
-        self.padding_ratio.labels(phase=phase, **self.labels).observe(padded / real)
+        ratio = self._padding.get(phase)
+        if ratio is None:
+            ratio = self._padding[phase] = self.padding_ratio.labels(phase=phase, **self.labels)
+        ratio.observe(padded / real)
 
     def record_budget(self, budget_bytes: int | None) -> None:
         (self.budget_bytes.labels(**self.labels) if self.labels else self.budget_bytes).set(budget_bytes or 0)

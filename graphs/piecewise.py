@@ -6,7 +6,8 @@ a custom dynamo backend (:class:`PiecewiseCompiler`) receives the FX graph, cuts
 ``torch.fx.passes.split_module``, compiles every other piece with inductor, and returns the split
 module, which runs ``piece, op, piece, ..., piece`` in order. Capturing the pieces is the graph
 backend's job (:class:`graphs.backends.TcPiecewiseBackend`): each piece becomes one CUDA graph
-segment per shape, the splitting ops run eagerly between them.
+segment per shape, the splitting ops run eagerly between them (off CUDA,
+:class:`graphs.backends.TcPiecewiseNoGraphBackend` runs the pieces without graphs).
 
 Shapes: as vLLM, one compile for a symbolic token dimension (dim 0 of every tensor argument is
 marked dynamic), reused by every bucket; only capture is per shape. Compile and capture time are

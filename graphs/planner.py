@@ -27,8 +27,8 @@ from graphs.profile import MemoryModel, PiecewiseLinear, StepCosts
 
 __all__ = [
     "DecodeProblem", "JointPlan", "MemoryModel", "PiecewiseLinear", "Plan", "PrefillProblem", "StepCosts",
-    "decode_bucket", "decode_cost", "expected_padded_rows", "expected_padded_tokens", "joint_bytes",
-    "plan_decode_ladder", "plan_ladders", "plan_prefill_ladder", "prefill_bucket", "prefill_cost",
+    "decode_bucket", "expected_padded_rows", "expected_padded_tokens", "joint_bytes",
+    "plan_decode_ladder", "plan_ladders", "plan_prefill_ladder", "prefill_bucket",
 ]
 
 _TOL = 1e-12
@@ -94,19 +94,6 @@ def prefill_bucket(tokens: int, requests: int, ladder: Sequence[int], slots: int
         return None
     b = choose_bucket(tokens, ladder, padding=True).size
     return None if b is None or b > max_padding_ratio * tokens else b
-
-
-def decode_cost(hist: Mapping[int, float], ladder: Sequence[int], costs: StepCosts) -> float:
-    """The objective for a decode ladder: sum of hist[n] * (replay(bucket) or eager(n))."""
-    return float(sum(w * (costs.eager(n) if (b := decode_bucket(n, ladder)) is None else costs.replay(b))
-                     for n, w in hist.items()))
-
-
-def prefill_cost(hist: Mapping[tuple[int, int], float], ladder: Sequence[int], costs: StepCosts,
-                 slots: int, max_padding_ratio: float) -> float:
-    """The objective for a prefill ladder under the runner's slot and padding-waste rules."""
-    return float(sum(w * (costs.eager(t) if (b := prefill_bucket(t, r, ladder, slots, max_padding_ratio)) is None
-                          else costs.replay(b)) for (t, r), w in hist.items()))
 
 
 def expected_padded_rows(hist: Mapping[int, float], ladder: Sequence[int]) -> float:

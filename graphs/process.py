@@ -6,8 +6,7 @@ each other's scratch memory; sharing the stream matters because the caching allo
 freed block only on the stream it was allocated on, so per-capture streams would fragment the
 shared pool.
 
-Both are created lazily on first use, per device, and dropped by :func:`release_process_graphs`
-once every graph captured into them has been released (teardown order: graphs first).
+Both are created lazily on first use, per device, and live as long as the process.
 """
 
 from __future__ import annotations
@@ -86,13 +85,3 @@ def release_warm_up_memory(device: torch.device) -> None:
         return
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-
-
-def release_process_graphs() -> None:
-    """Forget the pool handles and streams; call only after every graph has been released."""
-    with _lock:
-        for anchor, _ in _anchors.values():
-            anchor.reset()
-        _anchors.clear()
-        _pools.clear()
-        _streams.clear()

@@ -89,15 +89,6 @@ class BatchProfile:
         """Prefill steps recorded."""
         return sum(self.prefill.values())
 
-    def merge(self, other: BatchProfile) -> BatchProfile:
-        """A new profile with the counts of ``self`` and ``other`` added (e.g. across workers)."""
-        merged = BatchProfile(self.decode, self.prefill)
-        for n, c in other.decode.items():
-            merged.record_decode(n, c)
-        for (t, r), c in other.prefill.items():
-            merged.record_prefill(t, r, c)
-        return merged
-
     def to_json(self) -> dict:
         """The JSON document (string keys, sorted), ``version`` first."""
         return {
@@ -237,16 +228,6 @@ class MemoryModel:
             raise ValueError(f"need 1 <= small_size <= large_size, got {self.small_size}, {self.large_size}")
         if min(self.small_bytes, self.large_bytes, self.per_graph_overhead_bytes) < 0:
             raise ValueError("memory measurements must be >= 0 bytes")
-
-    @classmethod
-    def from_ladder_capture(cls, resident: Mapping[int, int], small: tuple[int, int]) -> MemoryModel:
-        """From one ladder captured largest first into a fresh pool (``{size: CapturedShape.resident_bytes}``:
-        the largest's growth is its bytes alone, the median growth of the others the per-graph
-        overhead) and ``small = (size, bytes)`` of a small shape captured alone."""
-        largest = max(resident)
-        rest = sorted(v for k, v in resident.items() if k != largest)
-        overhead = rest[len(rest) // 2] if rest else 0
-        return cls(small[0], small[1], largest, resident[largest], max(0, overhead))
 
     def shape_bytes(self, size: int) -> int:
         """Bytes of one shape captured alone (linear through the two measurements, >= 0)."""

@@ -2,6 +2,8 @@
 
 A runner owns everything about *which* shape a live batch replays and *how* it is loaded into
 the static buffers; the backend (:mod:`graphs.backends`) owns how a shape is captured.
+:class:`PhaseRunner` is what a model runner calls for one phase: a :class:`GraphRunner`, or the
+:class:`graphs.eager.EagerRunner` of a phase without graphs.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from graphs.backends import CapturedShape, CaptureError, GraphBackend
 from graphs.buckets import BucketChoice, choose_bucket, validate_ladder
@@ -22,6 +24,25 @@ log = logging.getLogger(__name__)
 
 Batch = TypeVar("Batch")
 Output = TypeVar("Output")
+
+
+class PhaseRunner(Protocol[Batch, Output]):
+    """One phase's passes: replayed when its predicate says so, else eager; counted either way."""
+
+    phase: str
+
+    @property
+    def resident_bytes(self) -> int:
+        """Graph memory this runner's captured shapes hold."""
+
+    def decide(self, batch: Batch) -> BucketChoice:
+        """The captured shape ``batch`` replays at, or the reason it runs eagerly (pure)."""
+
+    def run(self, batch: Batch, eager: Callable[[], Output]) -> Output:
+        """Replay ``batch`` when :meth:`decide` says so, else return ``eager()``; records the pass."""
+
+    def release(self) -> None:
+        """Release every captured graph (before what they point at)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,23 @@ class GraphRunner(ABC, Generic[Batch, Output]):
             log.error("%s graph capture failed; that shape will run eagerly: %s", self.phase, e)
             return None
 
+    @property
+    def resident_bytes(self) -> int:
+        """Graph memory of the captured shapes (measured by the backend)."""
+        return self.backend.resident_bytes
+
     # ----- execution -----
+
+    def run(self, batch: Batch, eager: Callable[[], Output]) -> Output:
+        """Replay ``batch`` when the predicate says so, else count the eager pass and return ``eager()``.
+
+        A replayed result is a view of the static outputs: consume it before the next step.
+        """
+        choice = self.decide(batch)
+        if choice.replays:
+            return self.execute(batch, choice)
+        self.record_eager(choice.reason)
+        return eager()
 
     def execute(self, batch: Batch, choice: BucketChoice) -> Output:
         """Load ``batch`` into the static buffers of ``choice.size``, replay, slice the outputs."""
@@ -118,6 +155,7 @@ class GraphRunner(ABC, Generic[Batch, Output]):
         return self.outputs(batch)
 
     def record_eager(self, reason: str) -> None:
+        """Count one eager pass of this phase with ``reason``."""
         if self.metrics is not None:
             self.metrics.record_pass(self.phase, None, reason)
 

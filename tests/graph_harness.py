@@ -1,4 +1,5 @@
-"""Random decode batches over a KV cache full of random data, for graph-vs-eager comparisons."""
+"""Random decode and prefill batches over a KV cache full of random data, for graph-vs-eager
+comparisons, and reference padding: the padded batches a runner's plan must match, built as lists."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from graphs.decode import LiveDecodeBatch
 from graphs.prefill import LivePrefillBatch
 from tests.reference import OwnModel
 from worker.attention.base import AttentionBatch
+from worker.kv_cache import PagedKVCache
 
 
 @dataclass
@@ -75,3 +77,29 @@ def random_prefill_batch(own: OwnModel, rng: random.Random, requests: int, max_n
 def eager_hidden(own: OwnModel, live: LivePrefillBatch) -> torch.Tensor:
     own.attention.plan(live.attention)
     return own.model(live.input_ids, live.positions, own.attention)
+
+
+def pad_decode_batch(batch: AttentionBatch, rows: int) -> AttentionBatch:
+    """``batch`` plus padding rows (length 1, dummy page) up to ``rows``."""
+    pad = rows - batch.num_rows
+    if pad < 0:
+        raise ValueError(f"cannot pad a batch of {batch.num_rows} rows to {rows}")
+    dummy = [PagedKVCache.DUMMY_PAGE]
+    return AttentionBatch(False, batch.seq_lens + [1] * pad, batch.query_lens + [1] * pad,
+                          batch.page_tables + [dummy] * pad, rows)
+
+
+def pad_prefill_batch(batch: AttentionBatch, tokens: int, slots: int) -> AttentionBatch:
+    """``batch`` in ``slots`` rows and ``tokens`` tokens: unused rows are zero-length sentinels.
+
+    Sentinel rows have sequence and query length 0 and no pages, so their offsets sit after the
+    real tokens and they read and write nothing; tokens past the real ones are tail padding
+    whose KV goes to the dummy page.
+    """
+    pad = slots - batch.num_rows
+    if pad < 0:
+        raise ValueError(f"{batch.num_rows} requests do not fit {slots} request slots")
+    if tokens < batch.num_tokens:
+        raise ValueError(f"cannot pad {batch.num_tokens} tokens down to {tokens}")
+    return AttentionBatch(True, batch.seq_lens + [0] * pad, batch.query_lens + [0] * pad,
+                          batch.page_tables + [[] for _ in range(pad)], tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from graphs.eager import EagerRunner
 from worker.attention.factory import create_attention_backend
 from worker.kv_cache import KVCacheShape, PageAllocator, PagedKVCache
 from worker.model.loader import load_model
@@ -42,7 +43,8 @@ class OwnModel:
                                                self.arch.head_dim), dtype, device)
         self.attention = create_attention_backend(backend, shape, self.cache, max_rows, 4096,
                                                   max_pages_per_row or num_pages)
-        self.runner = ModelRunner(self.model, self.attention)
+        self.runner = ModelRunner(self.model, self.attention, EagerRunner("decode", "disabled"),
+                                  EagerRunner("prefill", "disabled"))
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
 

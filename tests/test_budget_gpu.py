@@ -18,7 +18,7 @@ OVERRIDES = ["attention.backend=torch", "scheduler.max_running_requests=64", "gr
 
 def _graph_bytes(engine: Engine) -> int:
     r = engine.worker.runner
-    return sum(g.backend.resident_bytes for g in (r.decode_graphs, r.prefill_graphs) if g is not None)
+    return r.decode_runner.resident_bytes + r.prefill_runner.resident_bytes
 
 
 @pytest.mark.timeout(900)
@@ -35,7 +35,7 @@ def test_half_budget_keeps_ceiling_and_replan_stays_within(checkpoint_dir):
     engine = Engine(load_config(None, [f"model.path={path}", *OVERRIDES, f"graphs.memory_budget={budget}"]))
     runner = engine.worker.runner
     assert _graph_bytes(engine) <= budget
-    assert runner.prefill_graphs.ladder[-1] == 1024 and runner.prefill_graphs.backend.has(1024)
+    assert runner.prefill_runner.ladder[-1] == 1024 and runner.prefill_runner.backend.has(1024)
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[5 + i] * (20 + 9 * i) for i in range(8)]
@@ -46,13 +46,13 @@ def test_half_budget_keeps_ceiling_and_replan_stays_within(checkpoint_dir):
         engine.step()
     # The re-plan gets the room the old graphs leave: with a budget of half the full ladder,
     # the old ladder already holds close to it, so the re-plan must refuse and change nothing.
-    before = list(runner.decode_graphs.ladder)
+    before = list(runner.decode_runner.ladder)
     try:
         engine.worker.replan(BatchProfile(decode={8: 100}, prefill={(200, 1): 10}))
         replanned = True
     except ValueError as e:
         assert "re-plan refused" in str(e)
-        assert engine.worker.runner is runner and runner.decode_graphs.ladder == before
+        assert engine.worker.runner is runner and runner.decode_runner.ladder == before
         replanned = False
     while engine.has_unfinished():
         engine.step()

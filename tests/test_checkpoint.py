@@ -218,6 +218,11 @@ def test_tensor_layout_matches_hf_module_tree(name):
     assert preset.num_parameters() == sum(math.prod(s) for s in hf.values())
 
 
+def checkpoint_nbytes(preset, dtype: str) -> int:
+    """Bytes of tensor data in a checkpoint of ``preset`` stored as ``dtype``."""
+    return preset.num_parameters() * (4 if dtype == "float32" else 2)
+
+
 @pytest.mark.parametrize("name", REAL)
 def test_real_shape_configs(name):
     preset = PRESETS[name]
@@ -225,7 +230,7 @@ def test_real_shape_configs(name):
     config = transformers.AutoConfig.for_model(**cfg)
     assert type(config).__name__ == preset.architecture.replace("ForCausalLM", "Config")
     assert preset.num_parameters() == PUBLIC_PARAM_COUNTS[name]
-    assert preset.checkpoint_nbytes("bfloat16") == 2 * PUBLIC_PARAM_COUNTS[name]
+    assert checkpoint_nbytes(preset, "bfloat16") == 2 * PUBLIC_PARAM_COUNTS[name]
     assert config.num_hidden_layers == cfg["num_hidden_layers"] and config.vocab_size == cfg["vocab_size"]
     assert config.rope_parameters["rope_theta"] == cfg["rope_theta"]
     if cfg["rope_scaling"]:
@@ -248,7 +253,7 @@ def test_real_shape_tokenizers_cover_vocab():
 
 def test_default_shard_threshold():
     assert DEFAULT_MAX_SHARD_BYTES == 2_000_000_000
-    assert PRESETS["llama-3-8b"].checkpoint_nbytes("bfloat16") > DEFAULT_MAX_SHARD_BYTES
+    assert checkpoint_nbytes(PRESETS["llama-3-8b"], "bfloat16") > DEFAULT_MAX_SHARD_BYTES
 
 
 @pytest.mark.slow

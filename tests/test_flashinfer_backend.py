@@ -238,10 +238,10 @@ def test_plan_rejects_oversized_batches(flashinfer):
 
 @pytest.fixture
 def fk(flashinfer):
-    from worker.model import flashinfer_kernels
+    from worker.model.flashinfer_kernels import FlashInferKernels
 
-    assert flashinfer_kernels.available()
-    return flashinfer_kernels
+    assert FlashInferKernels.available()
+    return FlashInferKernels()
 
 
 def rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

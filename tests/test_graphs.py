@@ -9,15 +9,23 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deploy.config import load_config
+from graphs import breakable
 from graphs.backends import DebugBackend, create_backend
-from graphs.breakable import capturing, eager_break
+from graphs.breakable import eager_break
 from graphs.buckets import choose_bucket, default_decode_ladder
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
+from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
-from tests.graph_harness import RandomDecodeBatch, eager_logits, fill_cache_randomly, random_decode_batch
+from tests.graph_harness import (
+    RandomDecodeBatch,
+    eager_logits,
+    fill_cache_randomly,
+    pad_decode_batch,
+    random_decode_batch,
+)
 from tests.reference import OwnModel, rel_err
 from worker.engine import Engine
-from worker.model_steps import ModelDecodeStep, pad_decode_batch
+from worker.model_steps import ModelDecodeStep
 from worker.sampling.params import SamplingParams
 
 
@@ -135,7 +143,7 @@ def test_eager_engine_on_cpu_logs_why_graphs_are_off(checkpoint_dir, caplog):
     registry = CollectorRegistry()
     with caplog.at_level("INFO"):
         engine = Engine(load_config(None, [f"model.path={checkpoint_dir('tiny-llama')}"]), registry=registry)
-    assert engine.worker.runner.decode_graphs is None
+    assert isinstance(engine.worker.runner.decode_runner, EagerRunner)
     assert "no CUDA device: CUDA graphs are off" in caplog.text
     engine.generate([[5] * 4], SamplingParams(max_tokens=3, ignore_eos=True))
     assert registry.get_sample_value("cuda_graph_fallbacks_total", {"phase": "decode", "reason": "no_cuda"}) == 2
@@ -148,6 +156,11 @@ def test_graph_backends_need_cuda():
     with pytest.raises(ValueError, match="allowed: full, breakable, tc_piecewise, debug"):
         create_backend("fast", torch.device("cpu"))
     assert not create_backend("tc_piecewise", torch.device("cpu")).is_graph  # compiled pieces, no graphs
+
+
+def capturing() -> bool:
+    """True inside an active breakable capture of this context."""
+    return breakable._active.get() is not None
 
 
 def test_eager_break_outside_capture_is_a_plain_call():

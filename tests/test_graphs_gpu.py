@@ -214,7 +214,7 @@ def test_item_during_capture_leaves_engine_serving_eagerly(checkpoint_dir):
     assert sorted(runner.failed) == [1, 2, 4]
     for msg in runner.failed.values():
         assert "item()" in msg and "decode shape" in msg, msg
-    engine.worker.runner.decode_graphs = runner
+    engine.worker.runner.decode_runner = runner
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     got = engine.generate([[5] * 9, [7] * 4], params)
     eager = Engine(load_config(None, [f"model.path={path}", "attention.backend=torch", "graphs.enabled=false",

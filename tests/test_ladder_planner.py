@@ -22,7 +22,7 @@ from graphs.planner import (
     PiecewiseLinear,
     PrefillProblem,
     StepCosts,
-    decode_cost,
+    decode_bucket,
     expected_padded_rows,
     expected_padded_tokens,
     joint_bytes,
@@ -30,7 +30,6 @@ from graphs.planner import (
     plan_ladders,
     plan_prefill_ladder,
     prefill_bucket,
-    prefill_cost,
 )
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile, ProfileError
@@ -39,6 +38,39 @@ MiB = 2**20
 
 
 # ----- brute-force references -----
+
+def decode_cost(hist, ladder, costs):
+    """The objective for a decode ladder: sum of hist[n] * (replay(bucket) or eager(n))."""
+    return float(sum(w * (costs.eager(n) if (b := decode_bucket(n, ladder)) is None else costs.replay(b))
+                     for n, w in hist.items()))
+
+
+def prefill_cost(hist, ladder, costs, slots, max_padding_ratio):
+    """The objective for a prefill ladder under the runner's slot and padding-waste rules."""
+    return float(sum(w * (costs.eager(t) if (b := prefill_bucket(t, r, ladder, slots, max_padding_ratio)) is None
+                          else costs.replay(b)) for (t, r), w in hist.items()))
+
+
+def merge_profiles(a, b):
+    """A new profile with the counts of ``a`` and ``b`` added (e.g. across workers)."""
+    merged = BatchProfile(a.decode, a.prefill)
+    for n, c in b.decode.items():
+        merged.record_decode(n, c)
+    for (t, r), c in b.prefill.items():
+        merged.record_prefill(t, r, c)
+    return merged
+
+
+def memory_from_ladder_capture(resident, small):
+    """A :class:`MemoryModel` from one ladder captured largest first into a fresh pool
+    (``{size: CapturedShape.resident_bytes}``: the largest's growth is its bytes alone, the median
+    growth of the others the per-graph overhead) and ``small = (size, bytes)`` of a small shape
+    captured alone."""
+    largest = max(resident)
+    rest = sorted(v for k, v in resident.items() if k != largest)
+    overhead = rest[len(rest) // 2] if rest else 0
+    return MemoryModel(small[0], small[1], largest, resident[largest], max(0, overhead))
+
 
 def _subsets(items):
     for r in range(len(items) + 1):
@@ -248,7 +280,7 @@ def test_memory_model():
     mem = MemoryModel(8, 100, 264, 356, 10)
     assert mem.shape_bytes(8) == 100 and mem.shape_bytes(136) == 228 and mem.shape_bytes(264) == 356
     assert mem.ladder_bytes([]) == 0 and mem.ladder_bytes([8, 16, 264]) == 356 + 20
-    captured = MemoryModel.from_ladder_capture({256: 1000, 128: 12, 64: 10, 8: 11}, small=(8, 200))
+    captured = memory_from_ladder_capture({256: 1000, 128: 12, 64: 10, 8: 11}, small=(8, 200))
     assert (captured.large_size, captured.large_bytes, captured.per_graph_overhead_bytes) == (256, 1000, 11)
     with pytest.raises(ValueError, match="small_size <= large_size"):
         MemoryModel(64, 0, 8, 0)
@@ -268,7 +300,7 @@ def test_profile_records_merges_and_round_trips(tmp_path):
         a.record_decode(n)
     a.record_prefill(512, 2)
     b = BatchProfile({3: 1}, {(512, 2): 4, (64, 1): 1})
-    m = a.merge(b)
+    m = merge_profiles(a, b)
     assert m.decode == {3: 3, 37: 1} and m.prefill == {(512, 2): 5, (64, 1): 1}
     assert a.decode == {3: 2, 37: 1}  # merge leaves its inputs alone
     doc = m.to_json()

@@ -16,7 +16,8 @@ from tests.test_model_hf import PROMPT_LENS, TINY_PRESETS, _prompts
 from tests.trained import corpus_prompts, train_checkpoint
 from worker.attention.factory import flashinfer_importable
 from worker.engine import Engine
-from worker.model.kernels import TorchKernels, select_kernels
+from worker.model.kernels import select_kernels
+from worker.model.torch_kernels import TorchKernels
 from worker.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu

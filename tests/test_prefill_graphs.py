@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 from deploy.config import ConfigError, load_config
 from graphs.backends import DebugBackend
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
-from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
+from tests.graph_harness import eager_hidden, fill_cache_randomly, pad_prefill_batch, random_prefill_batch
 from tests.reference import OwnModel, rel_err
 from worker.attention.base import AttentionBatch
 from worker.engine import Engine
-from worker.model_steps import ModelPrefillStep, pad_prefill_batch
+from worker.model_steps import ModelPrefillStep
 from worker.sampling.params import SamplingParams
 
 
@@ -120,7 +120,7 @@ def test_engine_prefill_runner_path(checkpoint_dir):
     overrides = [f"model.path={path}", "scheduler.chunked_prefill_size=256", "graphs.prefill.max_tokens=256",
                  "graphs.prefill.num_request_slots=2"]
     debug = Engine(load_config(None, [*overrides, "graphs.debug=true"]), registry=registry)
-    assert len(debug.worker.runner.prefill_graphs.ladder) == 4
+    assert len(debug.worker.runner.prefill_runner.ladder) == 4
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(30, 120))] for _ in range(5)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -9,12 +9,17 @@ import sys
 from deploy.config import load_config
 from graphs.profile import BatchProfile
 from worker.engine import Engine
-from worker.traces import load_trace, run_trace, save_trace, skewed_trace
+from worker.traces import load_trace, run_trace, skewed_trace
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy", "--log-level", "WARNING", *args],
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+def save_trace(trace: list[dict], path) -> None:
+    """Write ``trace`` in the JSON-lines form :func:`worker.traces.load_trace` reads."""
+    path.write_text("".join(json.dumps(t) + "\n" for t in trace))
 
 
 def test_skewed_trace_is_deterministic_and_skewed(tmp_path):
@@ -40,8 +45,8 @@ def test_profile_export_cli_then_profile_guided_start(checkpoint_dir, tmp_path):
     engine = Engine(load_config(None, [f"model.path={path}", "graphs.debug=true", f"graphs.profile={out}",
                                        "scheduler.max_running_requests=48", "scheduler.chunked_prefill_size=1024",
                                        "graphs.prefill.max_tokens=1024", "graphs.decode.max_batch_size=48"]))
-    decode = engine.worker.runner.decode_graphs
-    prefill = engine.worker.runner.prefill_graphs
+    decode = engine.worker.runner.decode_runner
+    prefill = engine.worker.runner.prefill_runner
     assert prefill.ladder[-1] == 1024  # the ceiling is kept
     top = sorted(profile.decode, key=profile.decode.get, reverse=True)[:3]
     assert all(n in decode.ladder for n in top)  # the most frequent batch sizes replay unpadded
@@ -71,14 +76,14 @@ def test_live_replan_between_steps_keeps_requests_correct(checkpoint_dir):
     expected = [o.token_ids for o in Engine(load_config(None, overrides)).generate(prompts, params)]
     registry = CollectorRegistry()
     engine = Engine(load_config(None, [*overrides, "graphs.debug=true"]), registry=registry)
-    old_ladder = list(engine.worker.runner.decode_graphs.ladder)
+    old_ladder = list(engine.worker.runner.decode_runner.ladder)
     ids = [engine.add_request(p, params) for p in prompts]
     for _ in range(6):
         engine.step()
     profile = BatchProfile(decode={6: 100, 3: 5})
     line = engine.worker.replan(profile)
     assert "graph budget" in line
-    assert 6 in engine.worker.runner.decode_graphs.ladder and engine.worker.runner.decode_graphs.ladder != old_ladder
+    assert 6 in engine.worker.runner.decode_runner.ladder and engine.worker.runner.decode_runner.ladder != old_ladder
     while engine.has_unfinished():
         engine.step()
     assert [engine.output(i).token_ids for i in ids] == expected

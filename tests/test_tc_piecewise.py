@@ -141,9 +141,9 @@ def _with_graph_break(x: torch.Tensor) -> torch.Tensor:
 
 def test_flashinfer_kernels_trace_as_torch_kernels_under_compile():
     # No flashinfer here: a traced call that reached the fused kernels would fail to import them.
-    from worker.model import flashinfer_kernels as fused
-    from worker.model.kernels import TorchKernels as ref
+    from worker.model.flashinfer_kernels import FlashInferKernels
     from worker.model.rotary import cos_sin_cache
+    from worker.model.torch_kernels import TorchKernels as ref
 
     g = torch.Generator().manual_seed(0)
     x, r, w = (torch.randn(*shape, generator=g) for shape in ((6, 128), (6, 128), (128,)))
@@ -154,6 +154,7 @@ def test_flashinfer_kernels_trace_as_torch_kernels_under_compile():
         q, k = kernels.apply_rope(pos, h, kernels.rms_norm(res, w, 1e-6), 64, cache)
         return kernels.silu_and_mul(torch.cat([q, k], -1))
 
+    fused = FlashInferKernels()
     traced = torch.compile(lambda: body(fused), fullgraph=True, backend="eager")
     assert torch.equal(traced(), body(ref))
 
@@ -178,7 +179,7 @@ def test_worker_wires_tc_piecewise_and_generates_as_eager(two_layers):
     overrides = [f"model.path={two_layers}", "scheduler.chunked_prefill_size=256", "graphs.prefill.max_tokens=256",
                  "graphs.prefill.num_request_slots=2"]
     tc = Engine(load_config(None, [*overrides, "graphs.prefill.backend=tc_piecewise"]), registry=registry)
-    runner = tc.worker.runner.prefill_graphs
+    runner = tc.worker.runner.prefill_runner
     assert runner.backend.name == "tc_piecewise" and sorted(runner.backend.shapes) == runner.ladder
     assert runner.step.compiled.compiles == 1
     rng = random.Random(5)

@@ -1,9 +1,12 @@
-"""The engine: scheduler + detokenisation over an executor, driven step by step.
+"""The engine: requests, scheduler, step pipeline and output processor over an executor.
 
 ``Engine(config)`` loads the checkpoint named by ``config.model.path`` into a local worker,
-sizes the paged KV cache and serves requests with continuous batching. It is synchronous:
-``step`` runs one prefill or decode batch; ``generate`` and ``stream`` drive ``step`` until
-their requests finish (other requests in the engine advance too).
+sizes the paged KV cache and serves requests with continuous batching, driven by the caller:
+each ``step`` sends one prefill or decode batch and reads one back (the same batch, or with
+``scheduler.async_scheduling`` the one sent by the step before: :mod:`worker.step_pipeline`),
+and the tokens read back become request events (:mod:`worker.output_processor`). ``generate``
+and ``stream`` drive ``step`` until their requests finish (other requests in the engine advance
+too).
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ from prometheus_client import CollectorRegistry
 
 from worker.admission import PromptLimits, encode_prompt
 from worker.config import EngineConfig
-from worker.detokenizer import OutputText
 from worker.executor import Executor
 from worker.kv_cache import PageAllocator
+from worker.output_processor import OutputProcessor
 from worker.outputs import RequestEvent, RequestOutput, StepStats
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
-from worker.step_pipeline import InFlightStep, async_step, sync_step
+from worker.step_pipeline import StepPipeline
 from worker.tokenizer import Tokenizer, load_tokenizer
 from worker.worker import Worker
 
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Continuous-batching inference: scheduler and detokenisation over an executor.
+    """Continuous-batching inference: scheduler, step pipeline and output processor over an executor.
 
     Without ``executor`` the engine builds a local :class:`Worker` (one process, one device);
     ``cluster.group.WorkerGroup`` is the tensor-parallel executor.
@@ -52,22 +55,21 @@ class Engine:
         self.arch = self.executor.arch
         page_size = config.cache.page_size
         num_pages = self.executor.num_pages
-        self.max_model_len = self.executor.max_len
+        self._max_model_len = self.executor.max_len
         sched = config.scheduler
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
                             sched.chunked_prefill_size, page_size), self.allocator, self.max_model_len)
         self.async_scheduling = sched.async_scheduling
-        self._inflight: InFlightStep | None = None
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.arch.eos_token_ids,
+                                                self.max_model_len)
+        self.pipeline = StepPipeline(self.executor, self.scheduler, self.allocator, self.output_processor,
+                                     self.async_scheduling)
         self.requests: dict[str, Request] = {}
-        self._texts: dict[str, OutputText] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
-        self.step_stats: deque[StepStats] = deque(maxlen=10_000)
-        self.errors: dict[str, str] = {}
-        self._handoffs: dict[str, Callable[[Request], None]] = {}
         log.info("engine ready: %d KV pages of %d tokens, max_model_len %d", num_pages, page_size,
                  self.max_model_len)
 
@@ -79,12 +81,37 @@ class Engine:
         return self.executor
 
     def shutdown(self) -> None:
+        """Shut the executor down (graphs released before what they point at)."""
         self.executor.shutdown()
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt plus output) this engine runs."""
+        return self._max_model_len
+
+    def cap_max_model_len(self, max_model_len: int) -> None:
+        """Stop sequences at ``max_model_len`` (at most the executor's): a fleet caps every engine at its
+        shortest, so where a request runs never changes where it ends. The scheduler and the output
+        processor stop at the new length from the next step on."""
+        if not 1 <= max_model_len <= self.executor.max_len:
+            raise ValueError(f"max_model_len {max_model_len} outside [1, {self.executor.max_len}] (the executor's)")
+        self._max_model_len = self.scheduler.max_model_len = self.output_processor.max_model_len = max_model_len
+
+    @property
+    def step_stats(self) -> deque[StepStats]:
+        """What the last 10,000 steps did (:class:`worker.outputs.StepStats`), oldest first."""
+        return self.pipeline.step_stats
+
+    @property
+    def errors(self) -> dict[str, str]:
+        """Why each request that ended with ``finish_reason="error"`` did (by request id)."""
+        return self.output_processor.errors
 
     # ----- requests -----
 
     @property
     def num_free_pages(self) -> int:
+        """KV pages free for new requests now."""
         return self.allocator.num_free
 
     @property
@@ -101,19 +128,16 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seed = params.effective_seed(self._rng)
         req = Request(rid, ids, params, seed, next(self._arrivals))
         self._register(req)
         self.scheduler.add(req)
         return rid
 
-    def _register(self, req: Request) -> None:
+    def _register(self, req: Request, on_first_token: Callable[[Request], None] | None = None) -> None:
         """Track ``req`` and give it an output text primed with the tokens it already has."""
         self.requests[req.request_id] = req
-        text = OutputText(self.tokenizer.incremental_decoder() if self.tokenizer else _NoText(), req.params.stop)
-        for token in req.output_ids:
-            text.append(token)
-        self._texts[req.request_id] = text
+        self.output_processor.add(req, on_first_token)
 
     def _resumed(self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams, seed: int,
                  request_id: str, logprobs: Sequence[float]) -> Request:
@@ -146,9 +170,7 @@ class Engine:
             raise RequestRejected("a hand-off after the first token needs scheduler.async_scheduling=false "
                                   "(the next step would already be on its way)")
         req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
-        self._register(req)
-        if on_first_token is not None:
-            self._handoffs[request_id] = on_first_token
+        self._register(req, on_first_token)
         self.scheduler.add(req)
         return request_id
 
@@ -189,66 +211,35 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        self._handoffs.pop(request_id, None)
+        self.output_processor.drop_handoff(request_id)
         self.scheduler.finish(req, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        """Whether a request is waiting or running, or a step is still in flight."""
+        return self.scheduler.has_work() or self.pipeline.in_flight
 
     @property
     def in_flight(self) -> bool:
         """Whether a step is sent and not read back (async scheduling)."""
-        return self._inflight is not None
+        return self.pipeline.in_flight
 
     # ----- stepping -----
 
     def step(self) -> list[RequestEvent]:
-        """Run one prefill or decode batch; returns the events of the requests it advanced.
+        """Send the next prefill or decode batch (if any) and read one back; the events of the requests it advanced.
 
-        With ``scheduler.async_scheduling`` a call sends the next batch and then reads back the one
-        sent by the call before (see :mod:`worker.step_pipeline`): its events are that batch's.
+        Synchronously the batch read back is the one just sent. With ``scheduler.async_scheduling``
+        a call sends the next batch and then reads back the one sent by the call before (see
+        :mod:`worker.step_pipeline`): its events are that batch's.
         """
-        return async_step(self) if self.async_scheduling else sync_step(self)
-
-    def _append_token(self, req: Request, token: int, logprob: float | None) -> RequestEvent:
-        req.prefilling = False
-        req.output_ids.append(token)
-        if logprob is not None and req.params.logprobs:
-            req.logprobs.append(logprob)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        text = self._texts[req.request_id]
-        delta, stopped = text.append(token)
-        p = req.params
-        reason = None
-        if stopped or (not p.ignore_eos and token in self.arch.eos_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
-        handoff = self._handoffs.pop(req.request_id, None)
-        if reason is None and handoff is not None:
-            handoff(req)  # the pages still hold the KV: the callback must take it before they are freed
-            self.scheduler.finish(req, "handoff")
-            return RequestEvent(req.request_id, [token], delta, True, "handoff", [logprob] if p.logprobs else None)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            delta += text.flush()
-        return RequestEvent(req.request_id, [token], delta, reason is not None, reason,
-                            [logprob] if p.logprobs else None)
-
-    def _fail_all(self, reason: str) -> list[RequestEvent]:
-        events = []
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.finish(req, "error")
-            self.errors[req.request_id] = reason
-            events.append(RequestEvent(req.request_id, [], self._texts[req.request_id].flush(), True, "error"))
-        return events
+        return self.pipeline.step()
 
     def output(self, request_id: str) -> RequestOutput:
+        """``request_id``'s tokens, text and finish reason so far (until :meth:`release`)."""
         req = self.requests[request_id]
         return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids),
-                             self._texts[request_id].text, req.finish_reason,
+                             self.output_processor.text(request_id), req.finish_reason,
                              list(req.logprobs) if req.params.logprobs else None, req.num_preemptions)
 
     def release(self, request_id: str) -> None:
@@ -256,8 +247,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None and req.status is Status.FINISHED:
             del self.requests[request_id]
-            del self._texts[request_id]
-            self._handoffs.pop(request_id, None)
+            self.output_processor.forget(request_id)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -289,10 +279,3 @@ class Engine:
         finally:
             self.abort(rid)
             self.release(rid)
-
-
-class _NoText:
-    """Stands in for a tokenizer's incremental decoder when the checkpoint has none."""
-
-    def add(self, token_id: int) -> str:
-        return ""

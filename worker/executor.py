@@ -21,7 +21,8 @@ class ExecutorUnavailable(RuntimeError):
 
 
 class PendingStep(Protocol):
-    """A sent step; :meth:`result` waits for its tokens (raising as ``Executor.execute`` does)."""
+    """A sent step; :meth:`result` waits for its tokens, raising :class:`ExecutorFailed` or
+    :class:`ExecutorUnavailable` when the step is lost."""
 
     def result(self) -> StepResult: ...
 
@@ -43,15 +44,14 @@ class DeferredStep:
 class Executor(Protocol):
     """Runs step messages on the model: a local ``Worker`` or a tensor-parallel group.
 
-    ``submit`` sends a step without waiting for it; steps run in the order they are submitted,
-    and a step's ``from_previous`` inputs come from the step submitted just before it.
+    The engine only submits: ``submit`` sends a step without waiting for it; steps run in the
+    order they are submitted, and a step's ``from_previous`` inputs come from the step submitted
+    just before it. ``num_pages`` and ``max_len`` size the engine's page allocator and requests.
     """
 
     arch: ModelArch
     num_pages: int
     max_len: int
-
-    def execute(self, msg: StepMessage) -> StepResult: ...
 
     def submit(self, msg: StepMessage) -> PendingStep: ...
 

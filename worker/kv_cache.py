@@ -111,10 +111,6 @@ class PageAllocator:
     # (its request finished, was aborted or preempted after the step was sent), and a KV import
     # into it would race that write. Such pages are held back until the step is read back.
 
-    @property
-    def num_held(self) -> int:
-        return len(self._held or ())
-
     def hold(self) -> None:
         """From now on, freed pages are held back (owned by nobody, not allocatable) until released."""
         if self._held is None:

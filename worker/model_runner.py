@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
-from graphs.metrics import GraphMetrics
-from graphs.prefill import LivePrefillBatch, PrefillGraphRunner
+from graphs.decode import LiveDecodeBatch
+from graphs.prefill import LivePrefillBatch
 from graphs.profile import BatchProfile
+from graphs.runner import PhaseRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
@@ -29,23 +29,20 @@ class StepInputs:
 class ModelRunner:
     """Owns the model, its KV cache (through the attention backend) and sampling.
 
-    Each phase goes through its graph runner when there is one and the runner's predicate says
-    replay; every other step runs eagerly, and the pass is counted with its reason.
+    Each phase runs through its runner: a graph runner replays when its predicate says so and
+    runs the eager forward otherwise; a phase without graphs has the eager runner
+    (:class:`graphs.eager.EagerRunner`). Either way the pass is counted with its mode or reason.
     ``execute`` returns device tensors; reading them (``.tolist()``) is the caller's host sync.
     """
 
     def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend,
-                 decode_graphs: DecodeGraphRunner | None = None, metrics: GraphMetrics | None = None,
-                 decode_eager_reason: str = "disabled", prefill_graphs: PrefillGraphRunner | None = None,
-                 prefill_eager_reason: str = "disabled") -> None:
+                 decode_runner: PhaseRunner[LiveDecodeBatch, torch.Tensor],
+                 prefill_runner: PhaseRunner[LivePrefillBatch, torch.Tensor]) -> None:
         self.model = model
         self.attention = attention
         self.device = model.device
-        self.decode_graphs = decode_graphs
-        self.prefill_graphs = prefill_graphs
-        self.metrics = metrics
-        self.decode_eager_reason = decode_eager_reason
-        self.prefill_eager_reason = prefill_eager_reason
+        self.decode_runner = decode_runner
+        self.prefill_runner = prefill_runner
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
 
     def prepare(self, msg: StepMessage) -> StepInputs:
@@ -64,15 +61,8 @@ class ModelRunner:
         A replayed result is a view of the runner's static output: consume it before the next step.
         """
         self.profile.record_decode(inputs.input_ids.shape[0])
-        if self.decode_graphs is not None:
-            live = LiveDecodeBatch(inputs.input_ids, inputs.positions, inputs.attention)
-            choice = self.decode_graphs.decide(live)
-            if choice.replays:
-                return self.decode_graphs.execute(live, choice)
-            self.decode_graphs.record_eager(choice.reason)
-        elif self.metrics is not None:
-            self.metrics.record_pass("decode", None, self.decode_eager_reason)
-        return self.model.compute_logits(self.forward(inputs))
+        live = LiveDecodeBatch(inputs.input_ids, inputs.positions, inputs.attention)
+        return self.decode_runner.run(live, lambda: self.model.compute_logits(self.forward(inputs)))
 
     def prefill_hidden(self, inputs: StepInputs, num_requests: int) -> torch.Tensor:
         """Final hidden states (tokens, hidden) of a prefill step: graph replay when possible.
@@ -80,15 +70,8 @@ class ModelRunner:
         A replayed result is a view of the runner's static output: consume it before the next step.
         """
         self.profile.record_prefill(inputs.input_ids.shape[0], num_requests)
-        if self.prefill_graphs is not None:
-            live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests)
-            choice = self.prefill_graphs.decide(live)
-            if choice.replays:
-                return self.prefill_graphs.execute(live, choice)
-            self.prefill_graphs.record_eager(choice.reason)
-        elif self.metrics is not None:
-            self.metrics.record_pass("prefill", None, self.prefill_eager_reason)
-        return self.forward(inputs)
+        live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests)
+        return self.prefill_runner.run(live, lambda: self.forward(inputs))
 
     def execute(self, msg: StepMessage) -> tuple[SampleOutput | None, torch.Tensor | None]:
         """Run one step; returns the sampled tokens (None if no row samples) and the logits used."""

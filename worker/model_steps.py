@@ -8,18 +8,7 @@ from graphs.piecewise import PiecewiseCompiled
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.attention.breaking import BreakingAttention
 from worker.attention.splitting import SPLITTING_OPS, SplittingAttention
-from worker.kv_cache import PagedKVCache
 from worker.model.llama import LlamaForCausalLM
-
-
-def pad_decode_batch(batch: AttentionBatch, rows: int) -> AttentionBatch:
-    """``batch`` plus padding rows (length 1, dummy page) up to ``rows``."""
-    pad = rows - batch.num_rows
-    if pad < 0:
-        raise ValueError(f"cannot pad a batch of {batch.num_rows} rows to {rows}")
-    dummy = [PagedKVCache.DUMMY_PAGE]
-    return AttentionBatch(False, batch.seq_lens + [1] * pad, batch.query_lens + [1] * pad,
-                          batch.page_tables + [dummy] * pad, rows)
 
 
 class _ModelStep:
@@ -50,37 +39,17 @@ class ModelDecodeStep(_ModelStep):
         self.vocab_size = model.arch.vocab_size
 
     def plan(self, attention: AttentionBatch, padded_rows: int) -> None:
-        self.attention.plan(pad_decode_batch(attention, padded_rows))
+        """Plan the live rows of ``attention`` and padding rows (length 1, dummy page) up to ``padded_rows``."""
+        self.attention.plan(attention, padded_rows)
 
     def plan_dummy(self, rows: int) -> None:
+        """Plan ``rows`` padding rows (warm-up and capture of the ``rows`` shape)."""
         self._graph_wrapper(False, rows)
-        self.attention.plan(pad_decode_batch(AttentionBatch.decode([], []), rows))
+        self.attention.plan(AttentionBatch.decode([], []), rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, positions, self._forward_attention)
         return self.model.compute_logits(hidden)
-
-
-def pad_prefill_batch(batch: AttentionBatch, tokens: int, slots: int) -> AttentionBatch:
-    """``batch`` in ``slots`` rows and ``tokens`` tokens: unused rows are zero-length sentinels.
-
-    Sentinel rows have sequence and query length 0 and no pages, so their offsets sit after the
-    real tokens and they read and write nothing; tokens past the real ones are tail padding
-    whose KV goes to the dummy page.
-    """
-    pad = slots - batch.num_rows
-    if pad < 0:
-        raise ValueError(f"{batch.num_rows} requests do not fit {slots} request slots")
-    if tokens < batch.num_tokens:
-        raise ValueError(f"cannot pad {batch.num_tokens} tokens down to {tokens}")
-    return AttentionBatch(True, batch.seq_lens + [0] * pad, batch.query_lens + [0] * pad,
-                          batch.page_tables + [[] for _ in range(pad)], tokens)
-
-
-def dummy_prefill_batch(tokens: int, slots: int, page_size: int) -> AttentionBatch:
-    """A capture batch: one row of ``tokens`` tokens whose pages are all the dummy page."""
-    row = AttentionBatch.prefill([tokens], [tokens], [[PagedKVCache.DUMMY_PAGE] * -(-tokens // page_size)])
-    return pad_prefill_batch(row, tokens, slots)
 
 
 class ModelPrefillStep(_ModelStep):
@@ -98,11 +67,15 @@ class ModelPrefillStep(_ModelStep):
         self.hidden_size = model.arch.hidden_size
 
     def plan(self, attention: AttentionBatch, tokens: int, slots: int) -> None:
-        self.attention.plan(pad_prefill_batch(attention, tokens, slots))
+        """Plan ``attention`` in ``slots`` rows and ``tokens`` tokens: unused rows are zero-length
+        sentinels (their offsets sit after the real tokens; they read and write nothing) and tokens
+        past the real ones are tail padding whose KV goes to the dummy page."""
+        self.attention.plan(attention, slots, tokens)
 
     def plan_dummy(self, tokens: int, slots: int) -> None:
+        """Plan a capture batch: one row of ``tokens`` tokens on the dummy page, then sentinels."""
         self._graph_wrapper(True, slots, tokens)
-        self.attention.plan(dummy_prefill_batch(tokens, slots, self.attention.kv_cache.page_size))
+        self.attention.plan(AttentionBatch.dummy_prefill(tokens, self.attention.kv_cache.page_size), slots, tokens)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self._forward_attention)

@@ -14,7 +14,7 @@ class StepStats:
     batch_size: int
     num_tokens: int
     duration_s: float  # the whole step: build the message, execute, read the tokens back, events
-    execute_s: float = 0.0  # the executor's execute call as the engine saw it
+    execute_s: float = 0.0  # waiting for the step's tokens: from its send (sync) or from the wait's start (async)
     rank_s: float = 0.0  # of which the rank's own Worker.execute (the rest is the hop to the rank)
 
 

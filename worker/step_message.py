@@ -51,8 +51,13 @@ class StepMessage:
                                        self.return_logits, self.from_previous))
 
     def attention_batch(self) -> AttentionBatch:
-        return AttentionBatch(self.is_prefill, list(self.seq_lens), list(self.query_lens),
-                              [list(p) for p in self.page_tables], len(self.input_ids))
+        """The step's attention batch over this message's own lists (not copied).
+
+        A rank does not change a message's lengths or page tables after receiving it (it fills
+        only ``from_previous`` entries of ``input_ids``, before the step), so the batch stays
+        valid for the step.
+        """
+        return AttentionBatch(self.is_prefill, self.seq_lens, self.query_lens, self.page_tables, len(self.input_ids))
 
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))

@@ -237,11 +237,6 @@ class Tokenizer:
         """Number of token ids (base vocabulary plus added tokens)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    @cached_property
-    def all_special_ids(self) -> frozenset[int]:
-        """Ids of added tokens flagged special (those ``skip_special_tokens`` drops)."""
-        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
-
     def token_to_id(self, token: str) -> int | None:
         """Id of ``token`` (None if unknown)."""
         return self._backend.token_to_id(token)

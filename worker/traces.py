@@ -42,10 +42,6 @@ def skewed_trace(n: int = 400, seed: int = 0, max_prompt: int = 2048) -> list[di
     return trace[:n]
 
 
-def save_trace(trace: list[dict], path: str | Path) -> None:
-    Path(path).write_text("".join(json.dumps(t) + "\n" for t in trace))
-
-
 def load_trace(path: str | Path) -> list[dict]:
     rows = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):

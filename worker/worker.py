@@ -20,9 +20,11 @@ from graphs.backends import create_backend
 from graphs.buckets import default_decode_ladder
 from graphs.budget import capture_within_budget
 from graphs.decode import DecodeGraphRunner
+from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
+from graphs.runner import GraphRunner
 from worker.attention.factory import create_attention_backend
 from worker.config import EngineConfig
 from worker.executor import DeferredStep
@@ -156,30 +158,29 @@ class Worker:
     # ----- graphs -----
 
     def capture(self) -> None:
-        """Build the graph runners the config asks for and capture them (prefill first).
+        """Build each phase's runner the config asks for and capture its graphs (prefill first).
 
         With ``graphs.memory_budget`` or ``graphs.profile`` set, the ladders are planned and
         captured within the budget (:mod:`graphs.budget`); otherwise every ladder shape is.
         """
         g = self.config.graphs
         profile = BatchProfile.load(g.profile) if g.profile else None
-        prefill_graphs, prefill_reason = self._build_prefill_graphs(planner_candidates=profile is not None)
-        decode_graphs, decode_reason = self._build_decode_graphs(planner_candidates=profile is not None)
+        prefill = self._build_prefill_runner(planner_candidates=profile is not None)
+        decode = self._build_decode_runner(planner_candidates=profile is not None)
+        graphs = _graph_runners(prefill, decode)
         self.graph_metrics.record_budget(self.graph_budget)
         if self.graph_budget is None and profile is None:
-            for runner in (prefill_graphs, decode_graphs):
-                if runner is not None:
-                    runner.capture_all(progress=self.tp.rank == 0, timeout_s=g.capture_timeout_s)
-        elif prefill_graphs is not None or decode_graphs is not None:
+            for runner in graphs:
+                runner.capture_all(progress=self.tp.rank == 0, timeout_s=g.capture_timeout_s)
+        elif graphs:
             defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
-            self.budget_report = capture_within_budget(decode_graphs, prefill_graphs, self.graph_budget, profile,
-                                                       defaults)
-            for runner in (prefill_graphs, decode_graphs):
-                if runner is not None and self.graph_metrics is not None:
-                    self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
-                                                      runner.backend.resident_bytes)
-        self.runner = ModelRunner(self.model, self.attention, decode_graphs, self.graph_metrics, decode_reason,
-                                  prefill_graphs, prefill_reason)
+            by_phase = {r.phase: r for r in graphs}
+            self.budget_report = capture_within_budget(by_phase.get("decode"), by_phase.get("prefill"),
+                                                       self.graph_budget, profile, defaults)
+            for runner in graphs:
+                self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
+                                                  runner.backend.resident_bytes)
+        self.runner = ModelRunner(self.model, self.attention, decode, prefill)
 
     def replan(self, profile: BatchProfile | None = None) -> str:
         """Capture new ladders (planned from ``profile``, default: what this rank has run) into a
@@ -191,35 +192,34 @@ class Worker:
         nothing. Returns the new plan's summary line.
         """
         old = self.runner
-        current = sum(r.backend.resident_bytes for r in (old.decode_graphs, old.prefill_graphs) if r is not None)
+        current = old.decode_runner.resident_bytes + old.prefill_runner.resident_bytes
         room = None if self.graph_budget is None else self.graph_budget - current
         if room is not None and room <= 0:
             raise ValueError(f"re-plan refused: the current graphs use {current} of the {self.graph_budget}-byte "
                              "budget, leaving no room to capture the new ladders beside them")
         profile = profile if profile is not None else old.profile
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        prefill, _ = self._build_prefill_graphs(planner_candidates=True, pool=pool)
-        decode, _ = self._build_decode_graphs(planner_candidates=True, pool=pool)
+        prefill = self._build_prefill_runner(planner_candidates=True, pool=pool)
+        decode = self._build_decode_runner(planner_candidates=True, pool=pool)
+        graphs = _graph_runners(prefill, decode)
+        by_phase = {r.phase: r for r in graphs}
         defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
-        report = capture_within_budget(decode, prefill, room, profile, defaults if room is None else None)
-        if (prefill is not None and not prefill.backend.shapes) or (decode is not None and not decode.backend.shapes):
-            for runner in (prefill, decode):
-                if runner is not None:
-                    runner.release()
+        report = capture_within_budget(by_phase.get("decode"), by_phase.get("prefill"), room, profile,
+                                       defaults if room is None else None)
+        if any(not runner.backend.shapes for runner in graphs):
+            for runner in graphs:
+                runner.release()
             raise ValueError(f"re-plan refused: {room} bytes of budget left beside the current graphs cannot "
                              f"hold the new ladders ({'; '.join(report.notes) or 'nothing fits'}); nothing changed")
-        new = ModelRunner(self.model, self.attention, decode, self.graph_metrics, old.decode_eager_reason,
-                          prefill, old.prefill_eager_reason)
+        new = ModelRunner(self.model, self.attention, decode, prefill)
         new.profile = old.profile
         self.runner = new
-        for runner in (old.decode_graphs, old.prefill_graphs):
-            if runner is not None:
-                runner.release()
+        old.decode_runner.release()
+        old.prefill_runner.release()
         self.graph_metrics.record_replan()
-        for runner in (prefill, decode):
-            if runner is not None:
-                self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
-                                                  runner.backend.resident_bytes)
+        for runner in graphs:
+            self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
+                                              runner.backend.resident_bytes)
         return report.line()
 
     def profile(self) -> BatchProfile:
@@ -269,12 +269,13 @@ class Worker:
             return None
         return lambda: torch.distributed.barrier(group=self.tp.group)
 
-    def _build_prefill_graphs(self, planner_candidates: bool, pool: tuple | None = None,
-                              ) -> tuple[PrefillGraphRunner | None, str]:
-        """The prefill runner (not yet captured) over its candidate ladder, or None and why not."""
+    def _build_prefill_runner(self, planner_candidates: bool, pool: tuple | None = None,
+                              ) -> PrefillGraphRunner | EagerRunner:
+        """The prefill graph runner (not yet captured) over its candidate ladder, or the eager runner
+        saying why prefill has no graphs."""
         name, reason = self._graph_backend_name("prefill")
         if name is None:
-            return None, reason
+            return EagerRunner("prefill", reason, self.graph_metrics)
         p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
         ladder = self._prefill_ladder(planner_candidates)
         if name == "full":
@@ -282,10 +283,9 @@ class Worker:
                         "with fixed request slots; breakable is the production default")
         step = self._compiled_prefill_step() if name == "tc_piecewise" else \
             ModelPrefillStep(self.model, self.attention, breakable=name != "full")
-        runner = PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool), ladder,
-                                    p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
-                                    self.dtype)
-        return runner, "disabled"
+        return PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool), ladder,
+                                  p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
+                                  self.dtype)
 
     def _compiled_prefill_step(self) -> CompiledPrefillStep:
         """The tc_piecewise step, built once: re-plans reuse its compile (dynamo caches per code
@@ -296,17 +296,17 @@ class Worker:
             self._tc_step = CompiledPrefillStep(self.model, self.attention)
         return self._tc_step
 
-    def _build_decode_graphs(self, planner_candidates: bool, pool: tuple | None = None,
-                             ) -> tuple[DecodeGraphRunner | None, str]:
-        """The decode runner (not yet captured) over its candidate ladder, or None and why not."""
+    def _build_decode_runner(self, planner_candidates: bool, pool: tuple | None = None,
+                             ) -> DecodeGraphRunner | EagerRunner:
+        """The decode graph runner (not yet captured) over its candidate ladder, or the eager runner
+        saying why decode has no graphs."""
         name, reason = self._graph_backend_name("decode")
         if name is None:
-            return None, reason
+            return EagerRunner("decode", reason, self.graph_metrics)
         step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool),
-                                   self._decode_ladder(planner_candidates), self.config.graphs.decode.padding,
-                                   self.graph_metrics)
-        return runner, "disabled"
+        return DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool),
+                                 self._decode_ladder(planner_candidates), self.config.graphs.decode.padding,
+                                 self.graph_metrics)
 
     # ----- steps -----
 
@@ -340,7 +340,11 @@ class Worker:
     def shutdown(self) -> None:
         """Release graphs before the buffers and communicators they point at."""
         if self.runner is not None:
-            for graphs in (self.runner.decode_graphs, self.runner.prefill_graphs):
-                if graphs is not None:
-                    graphs.release()
+            self.runner.decode_runner.release()
+            self.runner.prefill_runner.release()
         self.runner = None
+
+
+def _graph_runners(*runners: GraphRunner | EagerRunner) -> list[GraphRunner]:
+    """The runners among ``runners`` that capture graphs (in order)."""
+    return [r for r in runners if isinstance(r, GraphRunner)]

@@ -33,12 +33,13 @@ class AttentionBatch:
     Row ``i`` appends ``query_lens[i]`` new tokens so that the request holds ``seq_lens[i]``
     tokens in the cache afterwards; its pages are ``page_tables[i]`` (covering ``seq_lens[i]``).
     Tokens are laid out request after request in the flat token dimension.
-
-    Padding rows inserted by a graph runner use the reserved dummy page
-    (``PagedKVCache.DUMMY_PAGE``): decode padding has ``query_len=1, seq_len=1``; prefill
-    sentinels have ``query_len=0, seq_len=0`` and an empty page table.
     ``num_tokens`` may exceed ``sum(query_lens)``: the tail tokens are padding whose KV goes to
     the dummy page and whose attention output is never read.
+
+    The lists are held, not copied: whoever builds a batch must not change them while a step
+    planned from it runs. A graph runner's padding rows are not in the lists: the runner asks
+    :meth:`AttentionBackend.plan` for the padded row and token counts, and the backend writes
+    the padding rows into its buffers.
     """
 
     is_prefill: bool
@@ -68,14 +69,24 @@ class AttentionBatch:
     ) -> AttentionBatch:
         return cls(True, list(seq_lens), list(query_lens), page_tables, sum(query_lens))
 
+    @classmethod
+    def dummy_prefill(cls, tokens: int, page_size: int) -> AttentionBatch:
+        """A capture batch: one row of ``tokens`` tokens whose pages are all the dummy page."""
+        return cls(True, [tokens], [tokens], [[PagedKVCache.DUMMY_PAGE] * -(-tokens // page_size)], tokens)
 
-def kv_write_locations(batch: AttentionBatch, page_size: int) -> list[int]:
-    """Flat KV-cache location (``page * page_size + offset``) for every token of ``batch``, padding included."""
+
+def kv_write_locations(batch: AttentionBatch, page_size: int, num_tokens: int | None = None) -> list[int]:
+    """Flat KV-cache location (``page * page_size + offset``) for every token of ``batch``, padding included.
+
+    Tokens past the rows' query tokens, up to ``num_tokens`` (default ``batch.num_tokens``), write
+    to the start of the dummy page; so do decode padding rows (one token at position 0 of the
+    dummy page each), which therefore need no rows of their own here.
+    """
     locations: list[int] = []
     for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
         for pos in range(seq_len - q_len, seq_len):
             locations.append(pages[pos // page_size] * page_size + pos % page_size)
-    pad = batch.num_tokens - len(locations)
+    pad = (batch.num_tokens if num_tokens is None else num_tokens) - len(locations)
     locations.extend([PagedKVCache.DUMMY_PAGE * page_size] * pad)
     return locations
 
@@ -101,9 +112,36 @@ class AttentionBackend(ABC):
     def device(self) -> torch.device:
         return self.kv_cache.device
 
+    def plan(self, batch: AttentionBatch, num_rows: int | None = None, num_tokens: int | None = None) -> None:
+        """Write ``batch``'s metadata into this backend's buffers (host side, outside graphs), padded
+        to ``num_rows`` rows and, for prefill, ``num_tokens`` tokens (default: the batch's own).
+
+        Padding rows go straight into the buffers, on the reserved dummy page
+        (``PagedKVCache.DUMMY_PAGE``): decode padding rows have ``query_len=1, seq_len=1`` and the
+        dummy page (one token each, so a padded decode batch has one token per row and takes no
+        ``num_tokens``); prefill padding rows are sentinels with ``query_len=0, seq_len=0`` and no
+        pages, and tokens past the batch's are tail padding whose KV goes to the dummy page.
+        """
+        rows = batch.num_rows if num_rows is None else num_rows
+        pad = rows - batch.num_rows
+        if batch.is_prefill:
+            if pad < 0:
+                raise ValueError(f"{batch.num_rows} requests do not fit {rows} request slots")
+            tokens = batch.num_tokens if num_tokens is None else num_tokens
+            if tokens < batch.num_tokens:
+                raise ValueError(f"cannot pad {batch.num_tokens} tokens down to {tokens}")
+        else:
+            if pad < 0:
+                raise ValueError(f"cannot pad a batch of {batch.num_rows} rows to {rows}")
+            if num_tokens is not None:
+                raise ValueError("a decode batch is padded by rows (one token each): leave num_tokens out")
+            tokens = batch.num_tokens + pad
+        self._plan(batch, rows, tokens)
+
     @abstractmethod
-    def plan(self, batch: AttentionBatch) -> None:
-        """Write ``batch``'s metadata into this backend's buffers (host side, outside graphs)."""
+    def _plan(self, batch: AttentionBatch, num_rows: int, num_tokens: int) -> None:
+        """Write ``batch``'s rows and the padding up to ``num_rows`` rows / ``num_tokens`` tokens
+        (validated by :meth:`plan`) into this backend's buffers."""
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store ``k, v`` (tokens, kv_heads, head_dim) into the cache and attend.

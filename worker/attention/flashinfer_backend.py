@@ -14,13 +14,16 @@ calls the wrapper's ``run``: device work only, so it can be captured.
 CUDA graphs: a flashinfer wrapper created with ``use_cuda_graph=True`` keeps pointers to the
 index buffers it was given and has a fixed batch size. :meth:`FlashInferBackend.graph_wrapper`
 creates one per captured shape, bound to prefixes of the shared regions above. Once it exists,
-every ``plan`` of a batch with exactly that shape routes to it, so a graph runner does::
+every ``plan`` of a batch padded to exactly that shape routes to it, so a graph runner does::
 
     backend.graph_wrapper(is_prefill, num_rows, num_tokens)   # once per shape, before capture
-    backend.plan(capture_batch); model(...)                   # eager warm-up (JIT, caches)
+    backend.plan(capture_batch, num_rows, ...); model(...)    # eager warm-up (JIT, caches)
     with torch.cuda.graph(g): model(...)                      # records run(): kernels read the buffers
     ...
-    backend.plan(batch); g.replay()                           # every step: re-plan, then replay
+    backend.plan(batch, num_rows, ...); g.replay()            # every step: re-plan (padded), then replay
+
+``plan`` writes the padding rows (``AttentionBackend.plan``) into the host twin after the batch's
+own rows; the batch's lists are read, never copied or extended.
 
 Each flashinfer wrapper owns an 8 MiB device int workspace and an 8 MiB pinned twin; the float
 workspace is shared by all of them (kernels are stream-ordered, so split-KV scratch never
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, kv_write_locations
@@ -196,33 +200,33 @@ class FlashInferBackend(AttentionBackend):
         if wrapper is None:
             wrapper = self._graph_wrappers[key] = self._new_wrapper(is_prefill, num_rows)
             if is_prefill:
-                pages = [PagedKVCache.DUMMY_PAGE] * -(-num_tokens // self.page_size)
-                rest = num_rows - 1
-                self.plan(AttentionBatch(True, [num_tokens] + [0] * rest, [num_tokens] + [0] * rest,
-                                         [pages] + [[]] * rest, num_tokens))
+                self.plan(AttentionBatch.dummy_prefill(num_tokens, self.page_size), num_rows, num_tokens)
         return wrapper
 
     def graph_safe(self, is_prefill: bool) -> bool:
         """Both phases can be captured once :meth:`graph_wrapper` exists for the shape."""
         return True
 
-    def plan(self, batch: AttentionBatch) -> None:
-        """Write ``batch``'s metadata and plan the wrapper for its shape (host side, outside capture).
+    def _plan(self, batch: AttentionBatch, num_rows: int, num_tokens: int) -> None:
+        """Write ``batch``'s metadata and its padding, and plan the wrapper for the padded shape (host
+        side, outside capture).
 
         Blocks only until the previous ``plan``'s H2D copies have been consumed (their pinned
         sources are reused), which in a serving loop has normally long happened.
         """
-        rows, toks = batch.num_rows, batch.num_tokens
+        rows, toks = num_rows, num_tokens
         if not 0 < rows <= self.max_num_rows or toks > self.max_num_tokens:
             raise ValueError(f"batch of {rows} rows / {toks} tokens exceeds the planned maximum "
                              f"{self.max_num_rows} / {self.max_num_tokens}")
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("plan() cannot run during CUDA graph capture: plan before capture and before replay")
-        if not batch.is_prefill and (any(q != 1 for q in batch.query_lens) or min(batch.seq_lens) < 1):
+        if not batch.is_prefill and (any(q != 1 for q in batch.query_lens) or min(batch.seq_lens, default=1) < 1):
             raise ValueError("decode rows must have query_len=1 and seq_len>=1 (padding: dummy page, seq_len=1)")
         qo, kv, last, indices, locations = build_metadata(batch, self.page_size)
-        if len(indices) > self.max_num_indices:
-            raise ValueError(f"batch uses {len(indices)} page-table entries; capacity is {self.max_num_indices} "
+        live, pad = batch.num_rows, rows - batch.num_rows
+        num_indices = len(indices) + (0 if batch.is_prefill else pad)  # a decode padding row has one page
+        if num_indices > self.max_num_indices:
+            raise ValueError(f"batch uses {num_indices} page-table entries; capacity is {self.max_num_indices} "
                              f"(max_num_rows * max_pages_per_row)")
         wrapper = self._graph_wrappers.get(self._key(batch.is_prefill, rows, toks))
         if wrapper is None:
@@ -234,7 +238,21 @@ class FlashInferBackend(AttentionBackend):
         for key, values in (("qo_indptr", qo), ("kv_indptr", kv), ("last_page_len", last), ("locations", locations),
                             ("indices", indices)):
             h[off[key]: off[key] + len(values)] = values
-        end = off["indices"] + len(indices)
+        # Padding rows after the batch's (see AttentionBackend.plan), written straight into the host twin.
+        qo_pad, kv_pad = off["qo_indptr"] + live + 1, off["kv_indptr"] + live + 1
+        last_pad = off["last_page_len"] + live
+        if batch.is_prefill:  # sentinels: no query tokens, no pages, last_page_len 0
+            h[qo_pad: qo_pad + pad] = qo[-1]
+            h[kv_pad: kv_pad + pad] = kv[-1]
+            h[last_pad: last_pad + pad] = 0
+        else:  # one query token each, on one dummy page holding one token
+            h[qo_pad: qo_pad + pad] = np.arange(qo[-1] + 1, qo[-1] + pad + 1)
+            h[kv_pad: kv_pad + pad] = np.arange(kv[-1] + 1, kv[-1] + pad + 1)
+            h[last_pad: last_pad + pad] = 1
+            indices_pad = off["indices"] + len(indices)
+            h[indices_pad: indices_pad + pad] = PagedKVCache.DUMMY_PAGE
+        h[off["locations"] + len(locations): off["locations"] + toks] = PagedKVCache.DUMMY_PAGE * self.page_size
+        end = off["indices"] + num_indices
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
 
         hv, s = self._host_views, self.shape
@@ -245,11 +263,11 @@ class FlashInferBackend(AttentionBackend):
                       non_blocking=True)
         if batch.is_prefill:
             wrapper.plan(hv["qo_indptr"][: rows + 1], hv["kv_indptr"][: rows + 1],
-                         self.paged_kv_indices[: len(indices)], hv["last_page_len"][:rows],
+                         self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, causal=True, **common)
             self._num_q = qo[-1]
         else:
-            wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[: len(indices)], hv["last_page_len"][:rows],
+            wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)
             self._num_q = rows
         self._staged.record()

@@ -36,14 +36,14 @@ class TorchAttentionBackend(AttentionBackend):
     def graph_safe(self, is_prefill: bool) -> bool:
         return not is_prefill
 
-    def plan(self, batch: AttentionBatch) -> None:
-        if batch.num_tokens > self.max_num_tokens or batch.num_rows > self.max_num_rows:
-            raise ValueError(f"batch of {batch.num_rows} rows / {batch.num_tokens} tokens exceeds "
+    def _plan(self, batch: AttentionBatch, num_rows: int, num_tokens: int) -> None:
+        if num_tokens > self.max_num_tokens or num_rows > self.max_num_rows:
+            raise ValueError(f"batch of {num_rows} rows / {num_tokens} tokens exceeds "
                              f"the planned maximum {self.max_num_rows} / {self.max_num_tokens}")
         ps = self.kv_cache.page_size
         self._is_prefill = batch.is_prefill
-        self.locations[: batch.num_tokens].copy_(torch.tensor(kv_write_locations(batch, ps), dtype=torch.int64))
-        if batch.is_prefill:
+        self.locations[:num_tokens].copy_(torch.tensor(kv_write_locations(batch, ps, num_tokens), dtype=torch.int64))
+        if batch.is_prefill:  # sentinel rows attend to nothing: only the batch's rows are kept
             rows, offset = [], 0
             for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
                 if q_len:
@@ -51,14 +51,19 @@ class TorchAttentionBackend(AttentionBackend):
                 offset += q_len
             self._prefill_rows = rows
             return
-        table = torch.zeros((batch.num_rows, self.max_pages_per_row), dtype=torch.int64)
+        live = batch.num_rows
+        table = torch.zeros((num_rows, self.max_pages_per_row), dtype=torch.int64)
         for i, pages in enumerate(batch.page_tables):
             if len(pages) > self.max_pages_per_row:
                 raise ValueError(f"row {i} has {len(pages)} pages; at most {self.max_pages_per_row}")
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        self.page_table[: batch.num_rows].copy_(table)
-        self.seq_lens[: batch.num_rows].copy_(torch.tensor(batch.seq_lens, dtype=torch.int64))
-        self._decode_width = max((len(p) for p in batch.page_tables), default=1)
+        table[live:, 0] = PagedKVCache.DUMMY_PAGE  # padding rows: one token on the dummy page
+        seq_lens = torch.ones(num_rows, dtype=torch.int64)
+        seq_lens[:live] = torch.tensor(batch.seq_lens, dtype=torch.int64)
+        self.page_table[:num_rows].copy_(table)
+        self.seq_lens[:num_rows].copy_(seq_lens)
+        width = max((len(p) for p in batch.page_tables), default=1)
+        self._decode_width = max(width, 1) if num_rows > live else width
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv_cache.store(layer, self.locations[: k.shape[0]], k, v)

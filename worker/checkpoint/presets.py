@@ -210,9 +210,3 @@ class Preset:
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         return sum(s.numel for s in self.tensor_specs())
-
-    def checkpoint_nbytes(self, dtype: str = "float32") -> int:
-        """Bytes of tensor data in a checkpoint stored as ``dtype``."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-        return self.num_parameters() * (4 if dtype == "float32" else 2)

@@ -1,66 +1,50 @@
-"""Element-wise building blocks with a pure-PyTorch implementation and a fused GPU one.
+"""The element-wise kernels the layers call, and the choice of an implementation per device.
 
-``TorchKernels`` reproduces HF transformers' arithmetic order exactly (so fp32 logits match to
-rounding); ``select_kernels`` picks flashinfer's fused kernels on CUDA when they are available.
-The layers call only the ``Kernels`` interface, so the same layer code runs on CPU and GPU.
+:class:`Kernels` is the interface (RMSNorm, fused add + RMSNorm, SiLU-and-mul, RoPE); the
+layers of :mod:`worker.model.llama` call nothing else, so the same layer code runs on CPU and
+GPU. Implementations: :class:`worker.model.torch_kernels.TorchKernels` (plain PyTorch, HF's
+arithmetic order, any device) and :class:`worker.model.flashinfer_kernels.FlashInferKernels`
+(flashinfer's fused kernels, CUDA).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+
+from worker.model.flashinfer_kernels import FlashInferKernels
+from worker.model.torch_kernels import TorchKernels
 
 log = logging.getLogger(__name__)
 
 
-class TorchKernels:
-    """Reference kernels in plain PyTorch (any device)."""
+class Kernels(Protocol):
+    """Element-wise building blocks of a decoder layer; ``name`` says which implementation."""
 
-    name = "torch"
+    name: str
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(dtype)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / rms(x) * weight`` over the last dim; a tensor shaped like ``x``."""
 
-    @classmethod
-    def fused_add_rms_norm(cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x + residual
-        return cls.rms_norm(residual, weight, eps), residual
+        """``(rms_norm(x + residual), x + residual)``; may reuse the inputs' memory (callers never
+        read their old values)."""
 
-    @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``x = [..., gate (I) | up (I)]``; returns ``[..., I]``."""
 
-    @staticmethod
-    def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+    def apply_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
                    cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = cos_sin_cache[positions]  # (tokens, head_dim) float32
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            x = x.view(x.shape[0], -1, head_dim)
-            x1, x2 = x.chunk(2, dim=-1)
-            rotated = torch.cat((-x2, x1), dim=-1)
-            return (x * cos + rotated * sin).flatten(1)
-
-        return rotate(q), rotate(k)
+        """NeoX-style rotary embedding of ``q`` (T, Hq*D) and ``k`` (T, Hk*D) at ``positions``."""
 
 
-def select_kernels(device: torch.device, prefer_fused: bool = True):
-    """Fused flashinfer kernels on CUDA when importable and ``prefer_fused``; else ``TorchKernels``."""
+def select_kernels(device: torch.device, prefer_fused: bool = True) -> Kernels:
+    """Fused flashinfer kernels on CUDA when importable and ``prefer_fused``; else the PyTorch ones."""
     if device.type == "cuda" and prefer_fused:
-        from worker.model import flashinfer_kernels
-
-        if flashinfer_kernels.available():
-            return flashinfer_kernels
+        if FlashInferKernels.available():
+            return FlashInferKernels()
         log.info("flashinfer not importable: using PyTorch element-wise kernels on %s", device)
-    return TorchKernels
+    return TorchKernels()

@@ -115,7 +115,6 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * per_rank
         self.vocab_local = max(0, min(per_rank, vocab_size - self.vocab_start))
-        self.padded_local = per_rank
         self.weight = _param((per_rank, hidden), dtype)
 
     def load(self, ckpt: SafetensorsCheckpoint) -> None:

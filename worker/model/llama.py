@@ -12,14 +12,16 @@ from torch import nn
 
 from worker.attention.base import AttentionBackend, AttentionShape
 from worker.model.arch import ModelArch
+from worker.model.kernels import Kernels
 from worker.model.linear import ColumnParallelLinear, RowParallelLinear, Source, VocabParallelEmbedding, qkv_sources
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.rotary import cos_sin_cache
+from worker.model.torch_kernels import TorchKernels
 from worker.model.weights import SafetensorsCheckpoint
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, name: str, size: int, eps: float, dtype: torch.dtype, kernels) -> None:
+    def __init__(self, name: str, size: int, eps: float, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
         self.name, self.size, self.eps, self.kernels = name, size, eps, kernels
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
@@ -35,7 +37,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels) -> None:
+    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}.self_attn"
         sources, self.q_heads, self.kv_heads = qkv_sources(
@@ -70,7 +72,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels) -> None:
+    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}.mlp"
         start, local = tp.shard(arch.intermediate_size, "intermediate_size")
@@ -87,7 +89,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels) -> None:
+    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}"
         self.self_attn = Attention(arch, layer, tp, dtype, kernels)
@@ -117,11 +119,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE, kernels=None, max_positions: int | None = None) -> None:
+                 tp: TensorParallel = SINGLE, kernels: Kernels | None = None, max_positions: int | None = None) -> None:
         super().__init__()
-        from worker.model.kernels import TorchKernels
-
-        kernels = kernels or TorchKernels
+        kernels = kernels or TorchKernels()
         self.arch, self.tp, self.kernels = arch, tp, kernels
         with torch.device(device):
             self.embed_tokens = VocabParallelEmbedding(

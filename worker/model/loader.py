@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from worker.model.arch import ModelArch, load_arch
+from worker.model.kernels import Kernels
 from worker.model.llama import LlamaForCausalLM
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.weights import SafetensorsCheckpoint
@@ -26,7 +27,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallel = SINGLE, kernels=None,
+               tp: TensorParallel = SINGLE, kernels: Kernels | None = None,
                max_positions: int | None = None) -> tuple[LlamaForCausalLM, ModelArch]:
     """Read ``config.json`` and this rank's weight shards; returns the model in eval mode."""
     start = time.perf_counter()
