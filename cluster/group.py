@@ -139,6 +139,11 @@ class RankGeneration:
             self.pg = None
 
 
+#: First wait before a failed restart is tried again, and the longest (the wait doubles in between).
+_RESTART_BACKOFF_S = 1.0
+_RESTART_BACKOFF_MAX_S = 30.0
+
+
 def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
@@ -230,9 +235,29 @@ class WorkerGroup:
         if gen is not None:
             gen.kill()
         if self.config.cluster.restart and not self._closed:
+            threading.Thread(target=self._restart, name=f"restart-{self.group_id}", daemon=True).start()
+
+    def _restart(self) -> None:
+        """Start fresh generations until one is ready or the group is shut down.
+
+        A start that fails (a rank killed while starting or capturing, a placement that cannot be
+        met) is retried after a backoff that doubles from ``_RESTART_BACKOFF_S`` up to
+        ``_RESTART_BACKOFF_MAX_S``; meanwhile the group is dead, and lost to its requests once
+        ``cluster.lost_after_s`` has passed.
+        """
+        delay = _RESTART_BACKOFF_S
+        while True:
             self._generation += 1
             self.restarts += 1
-            threading.Thread(target=self._start, name=f"restart-{self.group_id}", daemon=True).start()
+            self._start()
+            with self._cond:
+                if self._state is GroupState.READY or self._closed:
+                    return
+                log.warning("group %s: restart failed; next attempt in %.0fs", self.group_id, delay)
+                self._cond.wait(delay)  # shutdown() wakes it
+                if self._closed:
+                    return
+            delay = min(2 * delay, _RESTART_BACKOFF_MAX_S)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the group is ready (True) or ``timeout_s`` passes / it stays dead (False)."""
@@ -286,6 +311,11 @@ class WorkerGroup:
         if gen is self._current:
             self._fail(reason)
         raise GroupFailed(f"group {self.group_id}: {reason}") from None
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks of the current generation that no longer answer a ping (none while none runs)."""
+        gen = self._current
+        return gen.dead_ranks(timeout_s) if gen is not None else []
 
     def rank_actors(self) -> list:
         """The live rank actors (for health probes and fault-injection tests)."""
