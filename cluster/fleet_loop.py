@@ -304,8 +304,11 @@ class FleetLoop:
             member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
                                                 request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
         except KVTransferFailed as e:
-            if e.timed_out:  # its late writes could land in pages the group reuses
-                member.group.fail(str(e))
+            # A timed-out import's late writes could land in pages the group reuses; a rank that died
+            # during it leaves a group no step has seen fail yet, so every hand-off to it would fail.
+            dead = [] if e.timed_out else member.group.dead_ranks()
+            if e.timed_out or dead:
+                member.group.fail(str(e) if e.timed_out else f"rank {', '.join(map(str, dead))} died: {e}")
             self._requeue(fr, str(e))
             return
         except RequestRejected as e:

@@ -123,11 +123,17 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when every group is ready (or degraded: serving while a group restarts), else 503."""
+        """200 when every group is ready (or degraded: serving while a group restarts), else 503.
+
+        ``groups``: each group's health (starting, capturing, ready, degraded, dead); ``phases``: where
+        its current generation is in its life cycle (starting, capturing, ready, dead), also while
+        it restarts.
+        """
         h = fleet.health()
-        phases = {gid: g.get("state") for gid, g in h.get("groups", {}).items()}
-        body = {"status": h.get("status"), "groups": phases, "queued": h.get("queued"),
-                "in_flight": h.get("in_flight")}
+        groups = h.get("groups", {})
+        body = {"status": h.get("status"), "groups": {gid: g.get("state") for gid, g in groups.items()},
+                "phases": {gid: g.get("phase", g.get("state")) for gid, g in groups.items()},
+                "queued": h.get("queued"), "in_flight": h.get("in_flight")}
         if h.get("error"):
             body["error"] = h["error"]
         return JSONResponse(body, status_code=200 if h.get("status") in ("ready", "degraded") else 503)
