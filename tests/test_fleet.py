@@ -430,3 +430,49 @@ def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_loca
         late = fleet.generate([prompts[0]], params, timeout_s=60)[0]
         assert late.finish_reason == "error" and "no decode group is available" in late.error
         assert late.failure is FailureKind.GROUP_FAILED
+
+
+@pytest.mark.timeout(240)
+def test_decode_rank_killed_while_idle_fails_the_group_at_the_next_hand_off(disagg, reference):
+    """No step notices the death of an idle decode group's rank; the first KV import into it does,
+    and must fail the group (which restarts) instead of re-prefilling every request into it."""
+    prompts = _prompts(6, seed=11)
+    expected = [o.token_ids for o in reference(prompts)]
+    _wait_until(lambda: disagg.health()["status"] == "ready" and _pages_back(disagg), 60, "an idle fleet")
+    group = fleet_group(disagg, "dis-d0")
+    restarts = group.restarts
+    ray.kill(group.rank_actors()[0], no_restart=True)
+    outputs = disagg.generate(prompts, GREEDY, timeout_s=180)
+    assert [o.token_ids for o in outputs] == expected and all(o.error is None for o in outputs)
+    assert group.restarts == restarts + 1 and "died" in group.last_error
+    _wait_until(lambda: disagg.health()["status"] == "ready" and _pages_back(disagg), 60, "fleet ready again")
+
+
+@pytest.mark.timeout(300)
+def test_restart_killed_while_capturing_is_retried_until_a_generation_is_ready(ray_local, path, reference):
+    """A rank killed while its group's new generation captures fails that start; the group starts
+    another after a backoff, and the requests it held complete token for token."""
+    prompts = _prompts(4, seed=12)
+    expected = [o.token_ids for o in reference(prompts)]
+    killed: list[str] = []
+
+    def kill_the_first_restart_while_capturing(group_id, state):
+        if state.value != "capturing" or killed:
+            return
+        names = [n for n in ray.util.list_named_actors() if n.startswith(f"graphfleet-{group_id}-")]
+        newest = max(names, key=lambda n: int(n.split("-")[-2]))
+        if not newest.startswith(f"graphfleet-{group_id}-0-"):
+            killed.append(newest)
+            ray.kill(ray.get_actor(newest), no_restart=True)  # before the capture call reaches it
+
+    with Fleet.start(_config(path), name="cap", on_group_state=kill_the_first_restart_while_capturing) as fleet:
+        group = fleet_group(fleet, "cap-c0")
+        threads, results, progress = _open_streams(fleet, prompts, GREEDY)
+        _wait_until(lambda: sum(p >= 2 for p in progress) >= 2, 60, "streams decoding")
+        ray.kill(group.rank_actors()[0], no_restart=True)
+        _join(threads, 200)
+        assert killed == ["graphfleet-cap-c0-1-rank0"]
+        assert [results[i][0] for i in range(4)] == expected
+        assert [results[i][1].finish_reason for i in range(4)] == ["length"] * 4
+        assert group.restarts == 2 and group.health()["generation"] == 2
+        _wait_until(lambda: fleet.health()["status"] == "ready" and _pages_back(fleet), 60, "fleet ready again")
