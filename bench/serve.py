@@ -119,15 +119,15 @@ def start_serve() -> int:
     return port
 
 
-def start_app(path: Path, overrides: list[str], model_name: str) -> str:
-    """Ray, Serve (:func:`start_serve`) and the app over ``path``; returns the base URL."""
+def start_app(path: Path, overrides: list[str], model_name: str, fleet_name: str = "bench") -> str:
+    """Ray, Serve (:func:`start_serve`) and the app over ``path`` (its fleet named ``fleet_name``); the base URL."""
     from ray import serve
 
     from deploy.serve_app import app_builder
 
     port = start_serve()
     app = app_builder({"model": str(path), "overrides": overrides, "model_name": model_name,
-                       "fleet": {"name": "bench"}})
+                       "fleet": {"name": fleet_name}})
     serve.run(app, name="graphfleet", route_prefix="/", blocking=False)
     return f"http://127.0.0.1:{port}"
 
