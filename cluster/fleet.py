@@ -31,7 +31,7 @@ from cluster.fleet_loop import FleetLoop, FleetMember
 from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
-from cluster.rank import GroupState, GroupUnavailable
+from cluster.rank import GroupState, GroupUnavailable, PlacementWait
 from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
 from cluster.router import Overloaded, Router
 from worker.admission import PromptLimits, encode_prompt
@@ -71,16 +71,19 @@ class Fleet:
     # ----- lifecycle -----
 
     @classmethod
-    def start(cls, config: GroupConfig, on_group_state: Callable[[str, GroupState], None] | None = None,
-              tokenizer: Tokenizer | None = None, **fleet_options) -> Fleet:
+    def start(cls, config: GroupConfig,
+              on_group_state: Callable[[str, GroupState, PlacementWait | None], None] | None = None,
+              tokenizer: Tokenizer | None = None, cancel: threading.Event | None = None, **fleet_options) -> Fleet:
         """Start every group of the fleet (concurrently) and its loop.
 
         ``fleet_options`` are :class:`FleetConfig` fields and overrides of ``config``'s cluster keys
         and ``max_waiting_requests`` (see :func:`cluster.fleet_config.apply_fleet_options`).
-        ``on_group_state(group_id, state)`` hears every group's lifecycle changes (start-up phases
-        included), from the thread making them. ``tokenizer`` is the checkpoint's when the caller has
-        loaded it already (the Serve replica's); None loads it (if the checkpoint has one). The fleet
-        and all its engines share it.
+        ``on_group_state(group_id, state, waiting)`` hears every group's lifecycle changes (start-up
+        phases included) and, about every second while a group waits for resources, its
+        :class:`cluster.rank.PlacementWait` (else None), from the thread making them. ``tokenizer`` is
+        the checkpoint's when the caller has loaded it already (the Serve replica's); None loads it
+        (if the checkpoint has one). The fleet and all its engines share it. Setting ``cancel`` ends
+        the start (and, later, any group restart) at its next look (see :class:`cluster.group.WorkerGroup`).
 
         Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
         lacks, ``GroupUnavailable`` if a group fails to start (the others are shut down).
@@ -96,7 +99,7 @@ class Fleet:
         groups: dict[str, FleetWorkerGroup] = {}
         errors: list[str] = []
         with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-start") as pool:
-            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role, on_group_state)
+            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role, on_group_state, cancel)
                        for gid, role in layout}
             for gid, fut in futures.items():
                 try:
@@ -231,7 +234,8 @@ class Fleet:
 
     def health(self) -> dict:
         """Fleet status (ready | starting | degraded | dead) and per group: role, state (starting,
-        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests."""
+        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests, and
+        ``waiting`` (:meth:`cluster.rank.PlacementWait.health`) while its restart waits for resources."""
         with self._loop.health_lock:
             snapshot = dict(self._loop.health)
         snapshot["groups"] = {k: dict(v) for k, v in snapshot.get("groups", {}).items()}

@@ -370,6 +370,7 @@ class FleetLoop:
                 "tp_size": g.config.cluster.tp_size, "generation": g.health()["generation"], "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": s.engine.allocator.num_usable,
                 "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
+                "waiting": g.waiting.health(now) if g.waiting is not None else None,
             }
         states = {v["state"] for v in groups.values()}
         roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.members})

@@ -123,11 +123,16 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when every group is ready (or degraded: serving while a group restarts), else 503."""
+        """200 when every group is ready (or degraded: serving while a group restarts), else 503.
+
+        ``waiting`` names each group whose placement group waits for resources: what it asked for
+        (bundle x count) and what the cluster has free."""
         h = fleet.health()
-        phases = {gid: g.get("state") for gid, g in h.get("groups", {}).items()}
+        groups = h.get("groups", {})
+        phases = {gid: g.get("state") for gid, g in groups.items()}
         body = {"status": h.get("status"), "groups": phases, "queued": h.get("queued"),
-                "in_flight": h.get("in_flight")}
+                "in_flight": h.get("in_flight"),
+                "waiting": {gid: g["waiting"] for gid, g in groups.items() if g.get("waiting")}}
         if h.get("error"):
             body["error"] = h["error"]
         return JSONResponse(body, status_code=200 if h.get("status") in ("ready", "degraded") else 503)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 from ray import serve
@@ -54,15 +55,18 @@ class StartingFleet:
     """A :class:`cluster.fleet.Fleet` started in a background thread, so the API answers (503) while it starts.
 
     Until the fleet is up, :meth:`health` reports ``starting`` with each group's phase so far
-    (``starting``: placement, rendezvous, load; ``capturing``; ``ready``), or ``dead`` with the
-    error if the start failed, and ``ready`` is False; afterwards every attribute is the fleet's.
-    ``fleet_options`` and ``tokenizer`` are passed to :meth:`cluster.fleet.Fleet.start`.
+    (``starting``: placement, rendezvous, load; ``capturing``; ``ready``) and, while a group's
+    placement group waits for resources, its ``waiting`` details (what it asked for and what the
+    cluster has free), or ``dead`` with the error if the start failed, and ``ready`` is False;
+    afterwards every attribute is the fleet's. ``fleet_options`` and ``tokenizer`` are passed to
+    :meth:`cluster.fleet.Fleet.start`.
     """
 
     def __init__(self, config, fleet_options: dict, tokenizer=None) -> None:
         self._fleet = None
         self._error: str | None = None
-        self._phases: dict[str, str] = {}
+        self._phases: dict[str, tuple] = {}
+        self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._start, args=(config, fleet_options, tokenizer),
                                         name="fleet-start", daemon=True)
         self._thread.start()
@@ -70,13 +74,17 @@ class StartingFleet:
     def _start(self, config, fleet_options: dict, tokenizer) -> None:
         from cluster.fleet import Fleet
 
-        def on_state(group_id: str, state) -> None:
-            self._phases[group_id] = state.value
+        def on_state(group_id: str, state, waiting) -> None:
+            self._phases[group_id] = (state.value, waiting)
 
         try:
-            self._fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, **fleet_options)
+            self._fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, cancel=self._cancel,
+                                      **fleet_options)
         except Exception as e:  # noqa: BLE001 (reported by health(); Serve then restarts the replica)
-            log.exception("fleet start failed")
+            if self._cancel.is_set():
+                log.info("fleet start cancelled: %s", e)
+            else:
+                log.exception("fleet start failed")
             self._error = f"fleet start failed: {type(e).__name__}: {e}"
 
     @property
@@ -86,8 +94,10 @@ class StartingFleet:
     def health(self) -> dict:
         if self._fleet is not None:
             return self._fleet.health()
+        now = time.monotonic()
         phases = dict(self._phases)  # one atomic copy: start threads add to it meanwhile
-        groups = {gid: {"state": phase} for gid, phase in sorted(phases.items())}
+        groups = {gid: {"state": phase, "waiting": waiting.health(now) if waiting is not None else None}
+                  for gid, (phase, waiting) in sorted(phases.items())}
         if self._error is not None:
             return {"status": "dead", "groups": groups, "error": self._error}
         return {"status": "starting", "groups": groups, "queued": 0, "in_flight": 0}
@@ -96,8 +106,11 @@ class StartingFleet:
         """:meth:`cluster.fleet.Fleet.rank_metrics`; none while the fleet starts."""
         return self._fleet.rank_metrics(timeout_s) if self._fleet is not None else []
 
-    def shutdown(self) -> None:
-        self._thread.join()
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Cancel a start still under way (it ends at its next look: see :meth:`cluster.fleet.Fleet.start`),
+        wait for it at most ``timeout_s`` (None: until it ends), then shut the fleet down."""
+        self._cancel.set()
+        self._thread.join(timeout_s)
         if self._fleet is not None:
             self._fleet.shutdown()
 

@@ -338,6 +338,34 @@ def test_starting_fleet_reports_a_failed_start(server, path):
     assert not starting.ready and h["status"] == "dead" and "unknown fleet option 'num_groups'" in h["error"]
 
 
+def test_health_names_what_a_group_waits_for_within_seconds(server, path):
+    """A rank asking for more CPUs than the Ray cluster has (64 of 16): within 10 s ``/health`` says the
+    group waits for resources, with what it asked for and what is free; deleting the app ends the wait."""
+    app = app_builder({"model": str(path), "overrides": [*OVERRIDES, "cluster.cpus_per_rank=64"], "model_name": "tiny",
+                       "fleet": {"name": "huge"}})
+    serve.run(app, name="graphfleet-huge", route_prefix="/huge", blocking=False)
+    deployed = time.monotonic()
+    try:
+        while True:
+            status, body, _ = _http("GET", f"{server}/huge/health")
+            if status == 503 and body.get("waiting"):
+                break
+            assert status in (404, 503) and time.monotonic() - deployed < 10, (status, body)
+            time.sleep(0.1)
+        assert body["status"] == "starting" and body["groups"] == {"huge-c0": "starting"}, body
+        waiting = body["waiting"]["huge-c0"]
+        assert waiting["state"] == "waiting for resources"
+        assert waiting["asked"] == {"bundle": {"CPU": 64.0}, "count": 1}
+        assert 0 <= waiting["available"]["CPU"] <= 16
+        later = _http("GET", f"{server}/huge/health")[1]["waiting"]["huge-c0"]
+        assert later["waiting_s"] >= waiting["waiting_s"]
+    finally:
+        serve.delete("graphfleet-huge")
+    pending = [pg for pg in ray.util.placement_group_table().values()
+               if pg["name"].startswith("graphfleet-huge-") and pg["state"] != "REMOVED"]
+    assert pending == [], pending
+
+
 def test_cli_serve_parses():
     from deploy.cli import build_parser
 
