@@ -137,8 +137,78 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise SystemExit(f"graphfleet serve: not healthy after {timeout_s:g}s: {body}")
 
 
+#: Seconds a TCP connect to a given Ray address may take before ``serve`` gives up on it.
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def _ray_address(given: str | None) -> str | None:
+    """The Ray cluster to join: ``given`` (``--ray-address``), else ``RAY_ADDRESS``, else None (start our own)."""
+    import os
+
+    return given or os.environ.get("RAY_ADDRESS") or None
+
+
+def _gcs_host_port(address: str) -> tuple[str, int]:
+    """The GCS (host, port) of a Ray address (``host:port``, ``ray://host:port``, ``auto``); SystemExit if
+    it names none."""
+    target = address
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        target = canonicalize_bootstrap_address("auto")
+        if target is None:
+            raise SystemExit("graphfleet: --ray-address auto: no running Ray cluster is recorded on this machine; "
+                             "give its address, or none to start a local Ray")
+    host, sep, port = target.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"graphfleet: Ray address {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379)")
+    return host.strip("[]"), int(port)
+
+
+def _check_reachable(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """SystemExit naming ``address`` unless its GCS accepts a TCP connection within ``timeout_s``
+    (``ray.init`` would otherwise retry for minutes)."""
+    import socket
+
+    host, port = _gcs_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SystemExit(f"graphfleet: cannot reach the Ray cluster at {address} (GCS {host}:{port}: "
+                         f"{e.strerror or e}); start it (ray start --head), fix --ray-address/RAY_ADDRESS, or "
+                         "give neither to start a local Ray") from None
+
+
+def _init_ray(address: str | None, host: str):
+    """Join the Ray cluster at ``address`` (checked with :func:`_check_reachable` first), or start our own
+    (``address`` None): never the last cluster started on this machine, which a bare ``ray.init()`` joins."""
+    import ray
+
+    if address is not None:
+        return _join(address)
+    return ray.init(address="local", _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
+                    include_dashboard=False)
+
+
+def _join(address: str, **init):
+    """``ray.init`` on the cluster at ``address``; SystemExit naming it (and the likely cause) if that fails."""
+    import ray
+
+    try:
+        return ray.init(address=address, include_dashboard=False, **init)
+    except ConnectionError as e:
+        raise SystemExit(f"graphfleet: cannot join the Ray cluster at {address}: {e} (its GCS answers TCP; a "
+                         "cluster with token authentication also needs RAY_AUTH_MODE=token and its token, "
+                         "RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Start an embedded local Ray, the fleet and the OpenAI-compatible API; block until Ctrl-C."""
+    """Start a local Ray of its own (or join ``--ray-address``/``RAY_ADDRESS``), the fleet and the
+    OpenAI-compatible API; block until Ctrl-C."""
+    address = _ray_address(args.ray_address)
+    if address is not None:
+        _check_reachable(address)  # first: in seconds, before the slow imports below
     import ray
     from ray import serve
 
@@ -154,9 +224,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)  # a supervisor's stop shuts the fleet down like Ctrl-C
-    ray.init(_node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
-             include_dashboard=False, ignore_reinit_error=True)
+    context = _init_ray(address, host)
     log = logging.getLogger("graphfleet")
+    log.info("%s Ray (GCS %s)", "joined the" if address else "started a local",
+             context.address_info.get("gcs_address"))
     if not ray.cluster_resources().get("GPU", 0):
         log.info("no CUDA device in the Ray cluster: CUDA graphs are off and the model runs eagerly on CPU "
                  "(graphs.*.backend full/breakable need CUDA; graphs.debug=true runs the runner path on CPU)")
@@ -230,11 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API on an embedded local Ray Serve")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API on Ray Serve (a local Ray of its own by default)")
     p.add_argument("--model", help="checkpoint directory (default: model.path of --config)")
     p.add_argument("--host", help="listen address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default: serve.port, 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: serve.api_key)")
+    p.add_argument("--ray-address", help="join the Ray cluster at HOST:PORT (or 'auto') instead of starting a "
+                                         "local one (default: $RAY_ADDRESS, else a local Ray of its own)")
     _config_args(p)
     p.set_defaults(func=cmd_serve)
     return parser
