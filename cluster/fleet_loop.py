@@ -153,9 +153,10 @@ class FleetLoop:
             self.requests[arg.request_id] = arg
             self.router.queue.append(arg)
         elif kind == "abort":
-            fr = self.requests.get(arg)
+            request_id, error = arg
+            fr = self.requests.get(request_id)
             if fr is not None:
-                self._end(fr, "abort")
+                self._end(fr, "abort", error)
 
     # ----- ending and moving requests -----
 

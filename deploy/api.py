@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
-from deploy.errors import ApiError, generation_failed
+from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.metrics_merge import merge_expositions
 from deploy.streaming import (
     Job,
@@ -371,6 +371,8 @@ def _failed(outputs) -> ApiError | None:
     for o in outputs:
         if o.finish_reason == "error":
             return generation_failed(o)
+        if (aborted := server_aborted(o)) is not None:
+            return aborted
     return None
 
 
