@@ -347,9 +347,10 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
     except RequestRejected as e:
         abort_unfinished(jobs)
         raise _rejected(e, param) from None
-    except FleetClosed as e:
+    except FleetClosed as e:  # FleetDraining too: a request that passed the drain gate just before it closed
         abort_unfinished(jobs)
-        raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
+        raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable", code="draining",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return jobs
 
 

@@ -366,8 +366,57 @@ def test_health_names_what_a_group_waits_for_within_seconds(server, path):
     assert pending == [], pending
 
 
+@pytest.mark.timeout(300)
+def test_serves_own_replica_shutdown_waits_for_the_stream_then_drains_in_del(server, path):
+    """Serve's replica shutdown (``serve.delete``; a config update or scale-down does the same) stops routing
+    to the replica, waits for the open stream (up to graceful_shutdown_timeout_s = drain + margin), then
+    awaits the replica's async ``__del__``, which runs the drain: the stream ended normally, the drain found
+    nothing left, and the fleet's placement groups are gone."""
+    import http.client
+    from pathlib import Path
+
+    app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny", "fleet": {"name": "bye"}})
+    serve.run(app, name="graphfleet-bye", route_prefix="/bye", blocking=False)
+    wait_healthy(f"{server}/bye")
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/bye/v1/completions", json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 200,
+                                                            "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    serve.delete("graphfleet-bye")  # returns once the replica has shut down
+    events = [line.decode().strip() for line in resp if line.strip()]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    [replica_log] = logs.glob("replica_graphfleet-bye_OpenAIIngress_*.log")
+    drained = [line for line in replica_log.read_text().splitlines() if "drained: " in line]
+    assert drained and "'finished': 0, 'aborted': 0" in drained[-1], drained
+    left = [pg for pg in ray.util.placement_group_table().values()
+            if pg["name"].startswith("graphfleet-bye-") and pg["state"] != "REMOVED"]
+    assert left == [], left
+
+
+def test_serves_shutdown_budget_follows_the_drain_timeout(path):
+    from deploy.serve_app import SHUTDOWN_MARGIN_S, OpenAIIngress, build_config, deployment
+
+    for drain in (None, 12.5):
+        config = build_config({"model": str(path), "overrides": [] if drain is None else
+                               [f"serve.drain_timeout_s={drain}"]})
+        options = deployment(config)._deployment_config  # Serve keeps the options it will run with here
+        assert options.graceful_shutdown_timeout_s == config.serve.drain_timeout_s + SHUTDOWN_MARGIN_S
+        assert options.graceful_shutdown_wait_loop_s == 0.5
+    # The class's own options are those of the default drain timeout.
+    assert OpenAIIngress._deployment_config.graceful_shutdown_timeout_s == 30.0 + SHUTDOWN_MARGIN_S
+
+
 def test_cli_serve_parses():
     from deploy.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--model", "/m", "--port", "9000", "--api-key", "k"])
     assert (args.command, args.model, args.port, args.api_key, args.host) == ("serve", "/m", 9000, "k", None)
+    assert args.ray_address is None
+    args = build_parser().parse_args(["drain", "--ray-address", "10.0.0.5:6379", "--wait-s", "60"])
+    assert (args.command, args.ray_address, args.timeout, args.wait_s) == ("drain", "10.0.0.5:6379", None, 60.0)
