@@ -125,13 +125,14 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
     async def health() -> JSONResponse:
         """200 when every group is ready (or degraded: serving while a group restarts), else 503.
 
-        ``waiting`` names each group whose placement group waits for resources: what it asked for
-        (bundle x count) and what the cluster has free."""
+        ``handoffs`` counts prefilled requests whose KV waits for a decode group; ``waiting`` names each
+        group whose placement group waits for resources: what it asked for (bundle x count) and what
+        the cluster has free."""
         h = fleet.health()
         groups = h.get("groups", {})
         phases = {gid: g.get("state") for gid, g in groups.items()}
         body = {"status": h.get("status"), "groups": phases, "queued": h.get("queued"),
-                "in_flight": h.get("in_flight"),
+                "handoffs": h.get("handoffs", 0), "in_flight": h.get("in_flight"),
                 "waiting": {gid: g["waiting"] for gid, g in groups.items() if g.get("waiting")}}
         if h.get("error"):
             body["error"] = h["error"]

@@ -17,7 +17,7 @@ from ray import serve
 
 from deploy.config import load_config
 from deploy.serve_app import app_builder
-from tests.serve_harness import OVERRIDES, free_port, wait_healthy
+from tests.serve_harness import OVERRIDES, free_port, scrape, total, wait_healthy
 from tests.serve_harness import http as _http
 from worker.engine import Engine
 from worker.sampling.params import SamplingParams
@@ -266,6 +266,92 @@ def test_client_disconnect_aborts_stream(server):
         assert time.monotonic() < end, "the disconnected stream's request was not aborted"
         time.sleep(0.1)
     assert _http("GET", f"{server}/health")[0] == 200
+
+
+class _OpenStream:
+    """A streamed completion on a raw socket, read on a thread; :meth:`cut` drops the connection."""
+
+    def __init__(self, server: str, prefix: str, max_tokens: int) -> None:
+        import http.client
+        import threading
+
+        host, port = server.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.conn.request("POST", f"{prefix}/v1/completions",
+                          json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": max_tokens, "stream": True,
+                                      "ignore_eos": True}), {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200
+        self.chunks = 0
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.resp:
+                self.chunks += line.startswith(b"data: ")
+        except (OSError, ValueError):  # cut
+            pass
+
+    def cut(self) -> float:
+        """Drop the connection as a client going away does; returns when (``time.monotonic()``)."""
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+        return time.monotonic()
+
+
+@pytest.mark.timeout(300)
+def test_disconnects_free_pages_at_once_queued_in_handoff_and_decoding(server, path):
+    """One slot per group (disaggregated, max_running_requests=1): A decodes on the decode group, B is
+    prefilled and its KV waits for that slot (a hand-off), C waits in the queue. Each client goes away in
+    turn; each request is aborted at once (within 2 s): it leaves the queue, the hand-off, the decode
+    group, and every group's KV usage returns to 0."""
+    base = f"{server}/cut"
+    app = app_builder({"model": str(path), "overrides": [*OVERRIDES, "scheduler.max_running_requests=1"],
+                       "model_name": "tiny", "fleet": {"name": "cut", "mode": "disaggregated"}})
+    serve.run(app, name="graphfleet-cut", route_prefix="/cut", blocking=False)
+    try:
+        wait_healthy(base)
+        max_tokens = _http("GET", f"{base}/v1/models")[1]["data"][0]["max_model_len"] - 8
+
+        def health():
+            return _http("GET", f"{base}/health")[1]
+
+        def usage():
+            return {labels["group"]: v for labels, v in scrape(base).get("kv_cache_usage_ratio", [])}
+
+        def aborted():
+            return total(scrape(base), "request_success_total", finish_reason="abort")
+
+        def until(predicate, what, since, within_s=2.0):
+            while not predicate():
+                assert time.monotonic() - since < 60, f"{what}: {health()} {usage()}"
+                time.sleep(0.02)
+            took = time.monotonic() - since
+            assert took < within_s, f"{what} took {took:.2f}s"
+            return took
+
+        a = _OpenStream(server, "/cut", max_tokens)
+        until(lambda: a.chunks >= 3, "A decoding", time.monotonic(), 60)
+        b = _OpenStream(server, "/cut", max_tokens)
+        until(lambda: health()["handoffs"] == 1 and b.chunks >= 1, "B prefilled, its KV waiting", time.monotonic(), 60)
+        c = _OpenStream(server, "/cut", max_tokens)
+        until(lambda: health()["queued"] == 1, "C queued", time.monotonic(), 60)
+        assert health()["in_flight"] == 3 and usage()["cut-d0"] > 0 and usage()["cut-p0"] == 0
+        before = aborted()
+
+        took = {"queued": until(lambda: health()["queued"] == 0 and health()["in_flight"] == 2,
+                                "C (queued) aborted", c.cut())}
+        took["handoff"] = until(lambda: health()["handoffs"] == 0 and health()["in_flight"] == 1,
+                                "B (in a hand-off) aborted", b.cut())
+        assert health()["queued"] == 0 and usage()["cut-d0"] > 0  # A still decodes
+        took["decoding"] = until(lambda: health()["in_flight"] == 0 and set(usage().values()) == {0.0},
+                                 "A (decoding) aborted, its pages freed", a.cut())
+        until(lambda: aborted() - before == 3, "3 aborts counted", time.monotonic())
+        assert _http("GET", f"{base}/health")[0] == 200
+        print(f"from disconnect to aborted and freed: {took}")
+    finally:
+        serve.delete("graphfleet-cut")
 
 
 # ----- limits on a real fleet: overload (429) and deadlines (504) -----
