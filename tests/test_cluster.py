@@ -176,15 +176,18 @@ def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpo
 
 
 @pytest.mark.timeout(300)
-def test_group_that_cannot_be_placed_reports_its_wait_then_fails_with_a_reason(ray_local, checkpoint_dir):
+def test_group_that_cannot_be_placed_reports_its_wait_then_fails_with_a_reason(ray_local, checkpoint_dir, caplog):
     """2 ranks x 4 CPUs on a 6-CPU Ray: the group says within seconds that it waits for resources,
-    with what it asked for and what is free, then fails at cluster.start_timeout_s naming both."""
+    with what it asked for and what is free (the log says it once), then fails at
+    cluster.start_timeout_s naming both."""
+    import logging
     import threading
 
     from cluster.rank import GroupUnavailable, PlacementWait
 
     path = checkpoint_dir("tiny-llama")
     seen: list[tuple[float, object, PlacementWait | None]] = []
+    caplog.set_level(logging.INFO, logger="cluster.group")
     started = time.monotonic()
     with pytest.raises(GroupUnavailable, match=r"placement group for 2 ranks x \{'CPU': 4.0\} not ready after 6s: "
                                                r"the cluster lacks those resources \(\{'CPU': [0-9.]+\} free\)"):
@@ -199,6 +202,8 @@ def test_group_that_cannot_be_placed_reports_its_wait_then_fails_with_a_reason(r
     assert health["state"] == "waiting for resources"
     assert health["asked"] == {"bundle": {"CPU": 4.0}, "count": 2}
     assert 0 <= health["available"]["CPU"] <= 6 and health["waiting_s"] > 3
+    said = [r.getMessage() for r in caplog.records if "waiting for resources" in r.getMessage()]
+    assert len(said) == 1 and "asks 2 x {'CPU': 4.0}" in said[0] and "free" in said[0], said
 
     # A cancelled start ends at its next look instead of at the timeout.
     stop = threading.Event()

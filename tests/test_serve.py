@@ -443,8 +443,10 @@ def test_health_names_what_a_group_waits_for_within_seconds(server, path):
         assert waiting["state"] == "waiting for resources"
         assert waiting["asked"] == {"bundle": {"CPU": 64.0}, "count": 1}
         assert 0 <= waiting["available"]["CPU"] <= 16
+        reported_s = time.monotonic() - deployed
         later = _http("GET", f"{server}/huge/health")[1]["waiting"]["huge-c0"]
         assert later["waiting_s"] >= waiting["waiting_s"]
+        print(f"waiting for resources reported {reported_s:.1f}s after the app was deployed")
     finally:
         serve.delete("graphfleet-huge")
     pending = [pg for pg in ray.util.placement_group_table().values()

@@ -298,6 +298,35 @@ def test_graphfleet_drain_drains_a_running_app_as_the_charts_prestop_does(serve,
     _assert_ray_gone(ours)
 
 
+@pytest.mark.timeout(200)
+def test_sigterm_while_a_group_waits_for_resources_cancels_the_start_and_exits_0(serve):
+    """A rank asking for more CPUs than this machine has: /health says what it waits for within 10 s of the
+    app answering, and SIGTERM ends the wait (no start timeout to sit out) with exit 0."""
+    s = serve("cluster.cpus_per_rank=64")
+    end = time.monotonic() + 180
+    while _health_status(s.base) != 503:  # nothing listens yet, then Serve's 404 before the route
+        assert time.monotonic() < end and s.proc.poll() is None, s.output()[-3000:]
+        time.sleep(0.2)
+    answered = time.monotonic()
+    while not (body := http("GET", f"{s.base}/health")[1])["waiting"]:
+        assert time.monotonic() - answered < 10, body
+        time.sleep(0.2)
+    waiting = body["waiting"][next(iter(body["waiting"]))]
+    assert waiting["asked"] == {"bundle": {"CPU": 64.0}, "count": 1} and waiting["available"]["CPU"] < 64
+    elapsed, ours = _sigterm_and_wait(s, 30)
+    assert s.proc.returncode == 0, s.output()[-4000:]
+    _assert_ray_gone(ours)
+    print(f"waiting reported {time.monotonic() - answered - elapsed:.1f}s after /health answered; "
+          f"exited {elapsed:.1f}s after SIGTERM")
+
+
+def _health_status(base: str) -> int | None:
+    try:
+        return http("GET", f"{base}/health")[0]
+    except OSError:
+        return None
+
+
 def test_a_ray_address_that_is_no_host_port_is_refused_naming_it(model, tmp_path):
     s = Serve(model, tmp_path / "serve.log", *OVERRIDES, args=("--ray-address", "gcs-without-port"))
     assert s.proc.wait(30) != 0
