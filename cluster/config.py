@@ -23,7 +23,12 @@ class ClusterConfig(Section):
     step_timeout_s: a worker step slower than this is treated as a failure (> 0).
     start_timeout_s: bound on starting a group (placement, rendezvous, load, capture) (> 0).
     gpus_per_rank: GPUs each rank actor reserves on a GPU cluster (0 < x <= 1; fractions let
-        several groups share one GPU for testing).
+        several groups share one GPU for testing). A GPU rank reserves no CPU.
+    cpus_per_rank: logical CPUs each rank actor reserves on a CPU-only cluster (> 0). It only
+        decides how many ranks a node admits: Ray gives an actor with less than one CPU one
+        intra-op thread (``OMP_NUM_THREADS=max(1, floor(cpus))``), which is what a rank runs
+        anyway. 0.25: the default disaggregated fleet (one prefill and one decode rank, 0.5 CPU)
+        and the Serve replica (1 CPU) fit a 2-CPU machine, with room for two more ranks.
     restart: start a fresh group in the background when one dies.
     collectives_at_tp1: run the all-reduce even at tp_size 1 (a no-op on values) so one GPU can
         verify that NCCL collectives are captured inside graphs.
@@ -43,6 +48,7 @@ class ClusterConfig(Section):
     step_timeout_s: float = 60.0
     start_timeout_s: float = 900.0
     gpus_per_rank: float = 1.0
+    cpus_per_rank: float = 0.25
     restart: bool = True
     collectives_at_tp1: bool = False
     compiled_graph: bool = True
@@ -60,6 +66,8 @@ class ClusterConfig(Section):
         check(self.step_timeout_s > 0, "step_timeout_s", f"must be > 0, got {self.step_timeout_s!r}")
         check(self.start_timeout_s > 0, "start_timeout_s", f"must be > 0, got {self.start_timeout_s!r}")
         check(0 < self.gpus_per_rank <= 1, "gpus_per_rank", f"must be in (0, 1], got {self.gpus_per_rank!r}")
+        check(self.cpus_per_rank > 0, "cpus_per_rank", f"must be > 0 (a placement group bundle cannot be empty), "
+                                                       f"got {self.cpus_per_rank!r}")
         for key in ("num_prefill_groups", "num_decode_groups", "prefill_tp_size", "decode_tp_size", "max_attempts"):
             check_min(getattr(self, key), key, 1)
         for key in ("handoff_timeout_s", "lost_after_s"):

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import ray
 
@@ -31,7 +32,7 @@ from cluster.fleet_loop import FleetLoop, FleetMember
 from cluster.fleet_metrics import gather_rank_metrics
 from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
-from cluster.rank import GroupState, GroupUnavailable
+from cluster.rank import GroupState, GroupUnavailable, PlacementWait
 from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
 from cluster.router import Overloaded, Router
 from worker.admission import PromptLimits, encode_prompt
@@ -43,7 +44,25 @@ from worker.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fleet", "FleetClosed", "Overloaded", "RequestHandle"]
+__all__ = ["DrainReport", "Fleet", "FleetClosed", "FleetDraining", "Overloaded", "RequestHandle"]
+
+#: Seconds :meth:`Fleet.drain` waits for the requests it aborted to end before it shuts the fleet down.
+DRAIN_ABORT_WAIT_S = 5.0
+
+
+class FleetDraining(FleetClosed):
+    """The fleet is draining (:meth:`Fleet.drain`): it finishes what it has and accepts no new request."""
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What :meth:`Fleet.drain` did: requests in flight that finished on their own, requests it ended
+    with finish_reason "abort" at the timeout, and how long the drain took (shutdown included)."""
+
+    finished: int
+    aborted: int
+    seconds: float
+
 
 class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
@@ -54,10 +73,12 @@ class Fleet:
         self.tokenizer = tokenizer
         self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever a request ends
         self._live: set[str] = set()
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._closed = False
+        self._draining = False
         self._loop = FleetLoop(config.cluster, fleet_config, members, self.router, transport, self._done)
         self.max_model_len = self._loop.max_model_len
         self.prompt_limits = PromptLimits(members[0].engine.arch.vocab_size, self.max_model_len)
@@ -71,16 +92,19 @@ class Fleet:
     # ----- lifecycle -----
 
     @classmethod
-    def start(cls, config: GroupConfig, on_group_state: Callable[[str, GroupState], None] | None = None,
-              tokenizer: Tokenizer | None = None, **fleet_options) -> Fleet:
+    def start(cls, config: GroupConfig,
+              on_group_state: Callable[[str, GroupState, PlacementWait | None], None] | None = None,
+              tokenizer: Tokenizer | None = None, cancel: threading.Event | None = None, **fleet_options) -> Fleet:
         """Start every group of the fleet (concurrently) and its loop.
 
         ``fleet_options`` are :class:`FleetConfig` fields and overrides of ``config``'s cluster keys
         and ``max_waiting_requests`` (see :func:`cluster.fleet_config.apply_fleet_options`).
-        ``on_group_state(group_id, state)`` hears every group's lifecycle changes (start-up phases
-        included), from the thread making them. ``tokenizer`` is the checkpoint's when the caller has
-        loaded it already (the Serve replica's); None loads it (if the checkpoint has one). The fleet
-        and all its engines share it.
+        ``on_group_state(group_id, state, waiting)`` hears every group's lifecycle changes (start-up
+        phases included) and, about every second while a group waits for resources, its
+        :class:`cluster.rank.PlacementWait` (else None), from the thread making them. ``tokenizer`` is
+        the checkpoint's when the caller has loaded it already (the Serve replica's); None loads it
+        (if the checkpoint has one). The fleet and all its engines share it. Setting ``cancel`` ends
+        the start (and, later, any group restart) at its next look (see :class:`cluster.group.WorkerGroup`).
 
         Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
         lacks, ``GroupUnavailable`` if a group fails to start (the others are shut down).
@@ -96,7 +120,7 @@ class Fleet:
         groups: dict[str, FleetWorkerGroup] = {}
         errors: list[str] = []
         with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-start") as pool:
-            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role, on_group_state)
+            futures = {gid: pool.submit(FleetWorkerGroup, configs[gid], gid, role, on_group_state, cancel)
                        for gid, role in layout}
             for gid, fut in futures.items():
                 try:
@@ -133,6 +157,50 @@ class Fleet:
         self._thread.join(timeout_s)
         _shutdown_groups([s.group for s in self.members])
 
+    def drain(self, timeout_s: float) -> DrainReport:
+        """Shut down gracefully: stop admitting (:meth:`submit` raises :class:`FleetDraining`), let the
+        requests in flight finish for up to ``timeout_s``, end the rest with finish_reason "abort" and an
+        ``error`` saying the server is shutting down, then :meth:`shutdown` (every rank actor and placement
+        group released). Every wait is bounded: ``timeout_s``, then ``DRAIN_ABORT_WAIT_S`` for the aborted
+        ones, then the shutdown's. A second call (or one after :meth:`shutdown`) has nothing left to do.
+        """
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        started = time.monotonic()
+        with self._lock:
+            if self._draining or self._closed:
+                return DrainReport(0, 0, 0.0)
+            self._draining = True
+            in_flight = len(self._live)
+        log.info("fleet %s draining: %d requests in flight, %gs to finish", self.fleet_config.name, in_flight,
+                 timeout_s)
+        self._wait_idle(timeout_s)
+        with self._lock:
+            left = sorted(self._live)
+        why = (f"the server is shutting down: the request did not finish within the drain timeout "
+               f"({timeout_s:g}s)")
+        for rid in left:
+            self._loop.commands.put(("abort", (rid, why)))
+        if left:
+            self._wait_idle(DRAIN_ABORT_WAIT_S)
+        self.shutdown()
+        report = DrainReport(in_flight - len(left), len(left), time.monotonic() - started)
+        log.info("fleet %s drained in %.1fs: %d finished, %d aborted; its groups are shut down",
+                 self.fleet_config.name, report.seconds, report.finished, report.aborted)
+        return report
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        """Wait until no request is live, the loop has stopped, or ``timeout_s`` has passed."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            while self._live and self._thread.is_alive() and (left := end - time.monotonic()) > 0:
+                self._idle.wait(min(left, 0.5))
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` has begun (the fleet accepts no new request)."""
+        return self._draining
+
     def __enter__(self) -> Fleet:
         return self
 
@@ -154,6 +222,7 @@ class Fleet:
     def _done(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)
+            self._idle.notify_all()
 
     # ----- requests -----
 
@@ -163,7 +232,8 @@ class Fleet:
 
         ``timeout_s`` is the request's deadline from now (None: no deadline): past it the request
         ends with finish_reason "error" and a message saying so. Raises
-        :class:`RequestRejected` (bad prompt or id), :class:`Overloaded` (queue full), :class:`FleetClosed`.
+        :class:`RequestRejected` (bad prompt or id), :class:`Overloaded` (queue full), :class:`FleetDraining`
+        (draining), :class:`FleetClosed` (shut down).
         """
         params = params or SamplingParams()
         ids = encode_prompt(prompt, self.tokenizer)
@@ -171,6 +241,9 @@ class Fleet:
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:
+            if self._draining and not self._closed:
+                raise FleetDraining("the fleet is draining (the server is shutting down): it accepts no new "
+                                    "requests; retry on another replica")
             if self._closed or not self._thread.is_alive():
                 raise FleetClosed(f"the fleet is not accepting requests ({self._stopped_why()})")
             rid = request_id if request_id is not None else f"fleet-{next(self._ids)}"
@@ -183,12 +256,14 @@ class Fleet:
         self._loop.commands.put(("submit", request))
         return RequestHandle(self._link, request)
 
-    def abort(self, request_id: str) -> bool:
-        """End ``request_id`` with finish_reason "abort", freeing its pages on every group; False if unknown."""
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """End ``request_id`` with finish_reason "abort", freeing its pages (or dropping its KV) wherever it
+        is: queued, on a group, or waiting for a decode group; False if unknown. ``error``, when given,
+        tells the client why (its final event's and output's ``error``): the server ended it."""
         with self._lock:
             if request_id not in self._live:
                 return False
-        self._loop.commands.put(("abort", request_id))
+        self._loop.commands.put(("abort", (request_id, error)))
         return True
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -230,14 +305,18 @@ class Fleet:
     # ----- observation -----
 
     def health(self) -> dict:
-        """Fleet status (ready | starting | degraded | dead) and per group: role, state (starting,
-        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests."""
+        """Fleet status (ready | starting | degraded | dead; draining, then stopped, once :meth:`drain` or
+        :meth:`shutdown` has begun) and per group: role, state (starting,
+        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests, and
+        ``waiting`` (:meth:`cluster.rank.PlacementWait.health`) while its restart waits for resources."""
         with self._loop.health_lock:
             snapshot = dict(self._loop.health)
         snapshot["groups"] = {k: dict(v) for k, v in snapshot.get("groups", {}).items()}
         if not self._thread.is_alive():
-            snapshot["status"] = "dead"
+            snapshot["status"] = "stopped" if self._closed and self._crash is None else "dead"
             snapshot["error"] = self._stopped_why()
+        elif self._draining:
+            snapshot["status"] = "draining"
         return snapshot
 
     def rank_metrics(self, timeout_s: float = 1.0) -> list[bytes]:

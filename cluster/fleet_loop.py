@@ -153,9 +153,10 @@ class FleetLoop:
             self.requests[arg.request_id] = arg
             self.router.queue.append(arg)
         elif kind == "abort":
-            fr = self.requests.get(arg)
+            request_id, error = arg
+            fr = self.requests.get(request_id)
             if fr is not None:
-                self._end(fr, "abort")
+                self._end(fr, "abort", error)
 
     # ----- ending and moving requests -----
 
@@ -373,6 +374,7 @@ class FleetLoop:
                 "tp_size": g.config.cluster.tp_size, "generation": g.health()["generation"], "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": s.engine.allocator.num_usable,
                 "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
+                "waiting": g.waiting.health(now) if g.waiting is not None else None,
             }
         states = {v["state"] for v in groups.values()}
         roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.members})

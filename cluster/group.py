@@ -15,6 +15,7 @@ killed, its placement group removed, and a fresh generation starts in the backgr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,11 +28,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import GroupConfig
-from cluster.rank import GroupFailed, GroupState, GroupUnavailable, RankInfo
+from cluster.rank import GroupFailed, GroupState, GroupUnavailable, PlacementWait, RankInfo
 from cluster.rank_actor import RankActor
 from worker.step_message import StepMessage, StepResult
 
 log = logging.getLogger(__name__)
+
+#: Seconds between looks at a pending placement group (and refreshes of what the cluster has free).
+_WAIT_REFRESH_S = 1.0
 
 
 class RankGeneration:
@@ -44,25 +48,30 @@ class RankGeneration:
         self.pg = None
         self._dag = None
 
-    def start(self, on_state, fixed_pages: int | None = None) -> tuple[object, int, int]:
+    def start(self, on_state, fixed_pages: int | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> tuple[object, int, int]:
+        """Place, start, rendezvous, load, allocate and capture; returns (arch, pages, max_model_len).
+
+        ``on_state(state, waiting)`` hears each phase, and about every second a refreshed
+        :class:`PlacementWait` while the placement group waits for resources. ``cancelled()`` is
+        polled while it waits and between phases: True ends the start with ``GroupUnavailable``.
+        """
         c = self.config.cluster
         tp, deadline = c.tp_size, time.monotonic() + c.start_timeout_s
         gpus = c.gpus_per_rank if _use_gpus(self.config) else 0
-        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
+        # A GPU rank reserves only its GPU share (a CPU slot per rank kept small hosts from placing
+        # every group); a bundle may not be empty, hence the CPU share of a CPU rank.
+        bundle = {"GPU": gpus} if gpus else {"CPU": c.cpus_per_rank}
         self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
                                   name=f"graphfleet-{self.group_id}-{self.generation}")
-        try:
-            ray.get(self.pg.ready(), timeout=_left(deadline))
-        except GetTimeoutError:
-            raise GroupUnavailable(f"placement group for {tp} ranks x {bundle} not ready after "
-                                   f"{c.start_timeout_s:.0f}s: the cluster lacks those resources") from None
+        self._wait_placed(bundle, deadline, on_state, cancelled)
         groups = getattr(self.actor_cls, "concurrency_groups", None)
         actor_cls = ray.remote(concurrency_groups=groups)(self.actor_cls) if groups else ray.remote(self.actor_cls)
         config_dict = GroupConfig.of(self.config).to_dict()
         for rank in range(tp):
             info = RankInfo(self.group_id, self.generation, rank, tp, self.role)
             self.actors.append(actor_cls.options(
-                num_cpus=1, num_gpus=gpus, max_restarts=0, max_task_retries=0,
+                num_cpus=0 if gpus else c.cpus_per_rank, num_gpus=gpus, max_restarts=0, max_task_retries=0,
                 name=f"graphfleet-{info.group_id}-{info.generation}-rank{rank}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank,
@@ -72,6 +81,7 @@ class RankGeneration:
         backend = "nccl" if gpus else "gloo"
         # Every rank joins at once: a sequential join would deadlock inside init_process_group.
         self._all("init_distributed", deadline, init, backend, c.step_timeout_s)
+        _check_cancelled(cancelled)
         pages = min(self._all("load", deadline))
         if fixed_pages is not None:  # a restart must hold exactly the pages the engine books against
             if pages < fixed_pages:
@@ -79,12 +89,43 @@ class RankGeneration:
             pages = fixed_pages
         max_len = min(self._all("max_model_len", deadline, pages))
         self._all("allocate", deadline, pages, max_len)
-        on_state(GroupState.CAPTURING)
+        _check_cancelled(cancelled)
+        on_state(GroupState.CAPTURING, None)
         self._all("capture", deadline)
         arch = ray.get(self.actors[0].arch.remote(), timeout=_left(deadline))
         if c.compiled_graph:
             self._compile()
         return arch, pages, max_len
+
+    def _wait_placed(self, bundle: dict, deadline: float, on_state, cancelled: Callable[[], bool]) -> None:
+        """Wait for the placement group, bounded by ``deadline``; report and log a wait past the first second."""
+        ready, tp, asked = self.pg.ready(), self.config.cluster.tp_size, time.monotonic()
+        waiting: PlacementWait | None = None
+        while True:
+            done, _ = ray.wait([ready], timeout=min(_WAIT_REFRESH_S, _left(deadline)))
+            if done:
+                ray.get(ready)
+                if waiting is not None:
+                    log.info("group %s: placed after waiting %.1fs for resources", self.group_id,
+                             time.monotonic() - waiting.since)
+                    on_state(GroupState.STARTING, None)
+                return
+            free = _free(bundle)
+            if cancelled():
+                raise GroupUnavailable(f"start cancelled while waiting for resources ({tp} x {bundle} asked, "
+                                       f"{free} free)")
+            if time.monotonic() >= deadline:
+                raise GroupUnavailable(f"placement group for {tp} ranks x {bundle} not ready after "
+                                       f"{self.config.cluster.start_timeout_s:.0f}s: the cluster lacks those "
+                                       f"resources ({free} free)")
+            if waiting is None:
+                waiting = PlacementWait(dict(bundle), tp, free, asked)
+                log.warning("group %s: waiting for resources: its placement group asks %d x %s, the cluster has "
+                            "%s free (bounded by cluster.start_timeout_s=%gs)", self.group_id, tp, bundle, free,
+                            self.config.cluster.start_timeout_s)
+            else:
+                waiting = dataclasses.replace(waiting, available=free)
+            on_state(GroupState.STARTING, waiting)
 
     def _compile(self) -> None:
         from ray.dag import InputNode, MultiOutputNode
@@ -148,6 +189,17 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
+def _free(bundle: dict) -> dict[str, float]:
+    """What the cluster has free of each resource ``bundle`` names."""
+    available = ray.available_resources()
+    return {k: round(available.get(k, 0.0), 4) for k in bundle}
+
+
+def _check_cancelled(cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise GroupUnavailable("start cancelled")
+
+
 def _use_gpus(config: GroupConfig) -> bool:
     if config.model.device == "cpu":
         return False
@@ -164,15 +216,23 @@ class WorkerGroup:
     rank_actor_cls = RankActor  #: the actor class of each rank; subclasses add per-rank methods
 
     def __init__(self, config: GroupConfig, group_id: str = "g0", role: str = "colocated",
-                 on_state: Callable[[str, GroupState], None] | None = None) -> None:
-        """Start the group (blocks until it is ready or failed). ``on_state(group_id, state)`` is
-        called on every lifecycle change, from the thread making it (e.g. to report start-up phases)."""
+                 on_state: Callable[[str, GroupState, PlacementWait | None], None] | None = None,
+                 cancel: threading.Event | None = None) -> None:
+        """Start the group (blocks until it is ready or failed).
+
+        ``on_state(group_id, state, waiting)`` is called on every lifecycle change, and about every
+        second while the group's placement group waits for resources (``waiting``, else None), from
+        the thread making it (e.g. to report start-up phases). Setting ``cancel`` ends a start (the
+        first or a restart) at its next look: while it waits for resources, or between phases.
+        """
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialized: call ray.init(...) (tests: _node_ip_address='127.0.0.1')")
         self.config, self.group_id, self.role = config, group_id, role
         self._on_state = on_state
+        self._cancel = cancel
         self._cond = threading.Condition()
         self._state = GroupState.STARTING
+        self.waiting: PlacementWait | None = None  #: set while the current start waits for resources
         self._generation = 0
         self._current: RankGeneration | None = None
         self._closed = False
@@ -189,25 +249,31 @@ class WorkerGroup:
         return self._state
 
     def health(self) -> dict:
+        waiting = self.waiting
         return {"group": self.group_id, "role": self.role, "state": self._state.value,
-                "generation": self._generation, "restarts": self.restarts, "last_error": self.last_error}
+                "generation": self._generation, "restarts": self.restarts, "last_error": self.last_error,
+                "waiting": waiting.health(time.monotonic()) if waiting is not None else None}
 
-    def _set_state(self, state: GroupState) -> None:
+    def _set_state(self, state: GroupState, waiting: PlacementWait | None = None) -> None:
         with self._cond:
             self._state = state
+            self.waiting = waiting
             self._cond.notify_all()
         if self._on_state is not None:
-            self._on_state(self.group_id, state)
+            self._on_state(self.group_id, state, waiting)
+
+    def _cancelled(self) -> bool:
+        return self._closed or (self._cancel is not None and self._cancel.is_set())
 
     def _start(self) -> None:
         gen = RankGeneration(self.group_id, self._generation, self.config, self.role, self.rank_actor_cls)
         self._set_state(GroupState.STARTING)
         try:
             fixed = self.num_pages if self._generation > 0 else None
-            self.arch, self.num_pages, self.max_len = gen.start(self._set_state, fixed)
+            self.arch, self.num_pages, self.max_len = gen.start(self._set_state, fixed, self._cancelled)
         except (RayError, GroupUnavailable, RuntimeError) as e:
             self.last_error = f"start of generation {self._generation} failed: {e}"
-            log.error("group %s: %s", self.group_id, self.last_error)
+            (log.info if self._cancelled() else log.error)("group %s: %s", self.group_id, self.last_error)
             gen.kill()
             self._set_state(GroupState.DEAD)
             return

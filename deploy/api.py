@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
-from deploy.errors import ApiError, generation_failed
+from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.metrics_merge import merge_expositions
 from deploy.streaming import (
     Job,
@@ -127,13 +127,16 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
         ``groups``: each group's health (starting, capturing, ready, degraded, dead); ``phases``: where
         its current generation is in its life cycle (starting, capturing, ready, dead), also while
-        it restarts.
+        it restarts. ``handoffs`` counts prefilled requests whose KV waits for a decode group;
+        ``waiting`` names each group whose placement group waits for resources: what it asked for
+        (bundle x count) and what the cluster has free.
         """
         h = fleet.health()
         groups = h.get("groups", {})
         body = {"status": h.get("status"), "groups": {gid: g.get("state") for gid, g in groups.items()},
                 "phases": {gid: g.get("phase", g.get("state")) for gid, g in groups.items()},
-                "queued": h.get("queued"), "in_flight": h.get("in_flight")}
+                "queued": h.get("queued"), "handoffs": h.get("handoffs", 0), "in_flight": h.get("in_flight"),
+                "waiting": {gid: g["waiting"] for gid, g in groups.items() if g.get("waiting")}}
         if h.get("error"):
             body["error"] = h["error"]
         return JSONResponse(body, status_code=200 if h.get("status") in ("ready", "degraded") else 503)
@@ -348,9 +351,10 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
     except RequestRejected as e:
         abort_unfinished(jobs)
         raise _rejected(e, param) from None
-    except FleetClosed as e:
+    except FleetClosed as e:  # FleetDraining too: a request that passed the drain gate just before it closed
         abort_unfinished(jobs)
-        raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable") from None
+        raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable", code="draining",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return jobs
 
 
@@ -372,6 +376,8 @@ def _failed(outputs) -> ApiError | None:
     for o in outputs:
         if o.finish_reason == "error":
             return generation_failed(o)
+        if (aborted := server_aborted(o)) is not None:
+            return aborted
     return None
 
 

@@ -1,4 +1,5 @@
-"""The ``graphfleet`` command line: ``make-checkpoint``, ``generate``, ``demo``, ``profile export``, ``serve``.
+"""The ``graphfleet`` command line: ``make-checkpoint``, ``generate``, ``demo``, ``profile export``, ``serve``,
+``drain``.
 
 No work happens at import time; every subcommand imports what it needs.
 """
@@ -137,50 +138,178 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise SystemExit(f"graphfleet serve: not healthy after {timeout_s:g}s: {body}")
 
 
+#: Seconds a TCP connect to a given Ray address may take before ``serve`` gives up on it.
+RAY_CONNECT_TIMEOUT_S = 5.0
+#: The Serve application name of ``graphfleet serve`` (and of the Helm chart's serveConfigV2).
+APP_NAME = "graphfleet"
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by SIGTERM or SIGINT: stop serving (a BaseException, like KeyboardInterrupt,
+    so no ``except Exception`` swallows it)."""
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def _on_stop_signals(handler) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def _ray_address(given: str | None) -> str | None:
+    """The Ray cluster to join: ``given`` (``--ray-address``), else ``RAY_ADDRESS``, else None (start our own)."""
+    import os
+
+    return given or os.environ.get("RAY_ADDRESS") or None
+
+
+def _gcs_host_port(address: str) -> tuple[str, int]:
+    """The GCS (host, port) of a Ray address (``host:port``, ``ray://host:port``, ``auto``); SystemExit if
+    it names none."""
+    target = address
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        target = canonicalize_bootstrap_address("auto")
+        if target is None:
+            raise SystemExit("graphfleet: --ray-address auto: no running Ray cluster is recorded on this machine; "
+                             "give its address, or none to start a local Ray")
+    host, sep, port = target.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"graphfleet: Ray address {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379)")
+    return host.strip("[]"), int(port)
+
+
+def _check_reachable(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """SystemExit naming ``address`` unless its GCS accepts a TCP connection within ``timeout_s``
+    (``ray.init`` would otherwise retry for minutes)."""
+    import socket
+
+    host, port = _gcs_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SystemExit(f"graphfleet: cannot reach the Ray cluster at {address} (GCS {host}:{port}: "
+                         f"{e.strerror or e}); start it (ray start --head), fix --ray-address/RAY_ADDRESS, or "
+                         "give neither to start a local Ray") from None
+
+
+def _init_ray(address: str | None, host: str):
+    """Join the Ray cluster at ``address`` (checked with :func:`_check_reachable` first), or start our own
+    (``address`` None): never the last cluster started on this machine, which a bare ``ray.init()`` joins."""
+    import ray
+
+    if address is not None:
+        return _join(address)
+    return ray.init(address="local", _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
+                    include_dashboard=False)
+
+
+def _join(address: str, **init):
+    """``ray.init`` on the cluster at ``address``; SystemExit naming it (and the likely cause) if that fails."""
+    import ray
+
+    try:
+        return ray.init(address=address, include_dashboard=False, **init)
+    except ConnectionError as e:
+        raise SystemExit(f"graphfleet: cannot join the Ray cluster at {address}: {e} (its GCS answers TCP; a "
+                         "cluster with token authentication also needs RAY_AUTH_MODE=token and its token, "
+                         "RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
+
+
+def _drain_app(timeout_s: float | None, wait_s: float) -> dict:
+    """Drain the app's replica (:meth:`deploy.serve_app.OpenAIIngress.drain`) and wait for it, at most ``wait_s``."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("OpenAIIngress", app_name=APP_NAME)
+    return handle.drain.remote(timeout_s).result(timeout_s=wait_s)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Start an embedded local Ray, the fleet and the OpenAI-compatible API; block until Ctrl-C."""
+    """Start a local Ray (or join ``--ray-address``/``RAY_ADDRESS``), the fleet and the OpenAI-compatible
+    API; serve until SIGTERM or Ctrl-C, then drain (:meth:`deploy.serve_app.OpenAIIngress.drain`: new
+    requests 503, in-flight ones get ``serve.drain_timeout_s``, the rest aborted, every rank released),
+    shut Serve and Ray down and return 0. A second signal stops without waiting for the drain."""
+    address = _ray_address(args.ray_address)
+    if address is not None:
+        _check_reachable(address)  # first: in seconds, before the slow imports below
     import ray
     from ray import serve
 
-    from deploy.serve_app import OpenAIIngress, build_config
+    from deploy.serve_app import SHUTDOWN_MARGIN_S, build_config, deployment
 
     config = build_config({"config": args.config, "model": args.model, "overrides": args.set, "host": args.host,
                            "port": args.port, "api_key": args.api_key})
     if config.model.path is None:
         raise SystemExit("give --model DIR (or model.path in --config)")
     host, port = config.serve.host, config.serve.port
-
-    def _stop(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)  # a supervisor's stop shuts the fleet down like Ctrl-C
-    ray.init(_node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
-             include_dashboard=False, ignore_reinit_error=True)
     log = logging.getLogger("graphfleet")
-    if not ray.cluster_resources().get("GPU", 0):
-        log.info("no CUDA device in the Ray cluster: CUDA graphs are off and the model runs eagerly on CPU "
-                 "(graphs.*.backend full/breakable need CUDA; graphs.debug=true runs the runner path on CPU)")
-    log.info("starting the fleet: load %s, size the KV cache, capture graphs, then serve on %s:%d",
-             config.model.path, host, port)
+    _on_stop_signals(_raise_stop)
+    deployed = False
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(OpenAIIngress.bind(config.to_dict(), {}), name="graphfleet", route_prefix="/", blocking=False)
-        from pathlib import Path
+        try:
+            context = _init_ray(address, host)
+            _on_stop_signals(_raise_stop)  # ray.init installs its own SIGTERM handler (sys.exit)
+            log.info("%s Ray (GCS %s)", "joined the" if address else "started a local",
+                     context.address_info.get("gcs_address"))
+            if not ray.cluster_resources().get("GPU", 0):
+                log.info("no CUDA device in the Ray cluster: CUDA graphs are off and the model runs eagerly on "
+                         "CPU (graphs.*.backend full/breakable need CUDA; graphs.debug=true runs the runner path "
+                         "on CPU)")
+            log.info("starting the fleet: load %s, size the KV cache, capture graphs, then serve on %s:%d",
+                     config.model.path, host, port)
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(deployment(config).bind(config.to_dict(), {}), name=APP_NAME, route_prefix="/",
+                      blocking=False)
+            deployed = True
+            from pathlib import Path
 
-        shown = "127.0.0.1" if host == "0.0.0.0" else host
-        _wait_healthy(f"http://{shown}:{port}/health", config.cluster.start_timeout_s + 60)
-        name = config.serve.model_name or Path(config.model.path).name
-        auth = f" -H 'Authorization: Bearer {config.serve.api_key}'" if config.serve.api_key else ""
-        print(f"graphfleet serving {name!r} at http://{shown}:{port}/v1 (Ctrl-C stops). Try:\n"
-              f"  curl http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
-              f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+            shown = "127.0.0.1" if host == "0.0.0.0" else host
+            _wait_healthy(f"http://{shown}:{port}/health", config.cluster.start_timeout_s + 60)
+            name = config.serve.model_name or Path(config.model.path).name
+            auth = f" -H 'Authorization: Bearer {config.serve.api_key}'" if config.serve.api_key else ""
+            print(f"graphfleet serving {name!r} at http://{shown}:{port}/v1 (Ctrl-C stops). Try:\n"
+                  f"  curl http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
+                  f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+            while True:
+                time.sleep(3600)
+        except _Stop as stop:
+            if not deployed:
+                log.info("%s: stopping", stop)
+                return 0
+            log.info("%s: draining (at most %gs for requests in flight; a second signal stops at once)", stop,
+                     config.serve.drain_timeout_s)
+            try:
+                log.info("drained: %s", _drain_app(None, config.serve.drain_timeout_s + SHUTDOWN_MARGIN_S))
+            except _Stop:
+                log.warning("second signal: stopping without waiting for the drain")
+            except Exception as e:  # noqa: BLE001 - reported, then Serve and Ray are shut down all the same
+                log.error("the drain failed: %s: %s", type(e).__name__, e)
+                return 1
         return 0
     finally:
-        serve.shutdown()
+        _on_stop_signals(signal.SIG_IGN)  # the shutdown below is bounded; a signal now would only cut it short
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Drain a running app's replica (the Helm chart's preStop): connect to the Ray cluster, call
+    :meth:`deploy.serve_app.OpenAIIngress.drain` through a deployment handle, print what it did."""
+    import ray
+
+    address = _ray_address(args.ray_address) or "auto"
+    _check_reachable(address)
+    _join(address, log_to_driver=False)
+    try:
+        print(json.dumps(_drain_app(args.timeout, args.wait_s)), flush=True)
+    finally:
         ray.shutdown()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,13 +359,24 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API on an embedded local Ray Serve")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API on Ray Serve (a local Ray of its own by default)")
     p.add_argument("--model", help="checkpoint directory (default: model.path of --config)")
     p.add_argument("--host", help="listen address (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default: serve.port, 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: serve.api_key)")
+    p.add_argument("--ray-address", help="join the Ray cluster at HOST:PORT (or 'auto') instead of starting a "
+                                         "local one (default: $RAY_ADDRESS, else a local Ray of its own)")
     _config_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("drain", help="drain the running app's replica: new requests 503, in-flight ones finish "
+                                     "(up to serve.drain_timeout_s), every rank released (a preStop hook)")
+    p.add_argument("--ray-address", help="the Ray cluster (default: $RAY_ADDRESS, else 'auto': the one on this "
+                                         "machine)")
+    p.add_argument("--timeout", type=float, help="seconds requests in flight get (default: the app's "
+                                                 "serve.drain_timeout_s)")
+    p.add_argument("--wait-s", type=float, default=600.0, help="give up waiting for the drain after this long")
+    p.set_defaults(func=cmd_drain)
     return parser
 
 

@@ -1,6 +1,6 @@
 """The API's one error type, answered as an OpenAI error body with its HTTP status, and the error of a
 failed generation (one mapping of a :class:`worker.outputs.FailureKind` to a status, for both the
-non-streamed response and a stream's error event)."""
+non-streamed response and a stream's error event), or of one the server aborted (a drain's timeout)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,12 @@ def generation_failed(result) -> ApiError:
     if result.failure is FailureKind.DEADLINE:
         return ApiError(504, message, "timeout_error")
     return ApiError(500, message, "internal_error")
+
+
+def server_aborted(result) -> ApiError | None:
+    """The error of a request the server ended with finish_reason "abort" and a reason (``error``: a
+    drain's timeout): 503 ``service_unavailable``, code ``draining``. None for any other ending, a
+    plain abort (a client's disconnect) included."""
+    if result.finish_reason != "abort" or not result.error:
+        return None
+    return ApiError(503, f"request aborted: {result.error}", "service_unavailable", code="draining")

@@ -8,16 +8,20 @@ answers 503 until the fleet is up.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 from ray import serve
 
-log = logging.getLogger(__name__)
+# Under Serve's logger: a replica writes it to its log file (logs/serve/replica_<app>_OpenAIIngress_<id>.log),
+# where a module logger's INFO lines would be dropped.
+log = logging.getLogger("ray.serve").getChild("graphfleet")
 
-__all__ = ["OpenAIIngress", "StartingFleet", "app_builder", "build_config"]
+__all__ = ["OpenAIIngress", "StartingFleet", "app_builder", "build_config", "deployment", "shutdown_options"]
 
 #: Fleet.start options accepted under the ``fleet`` key of the arguments.
 _FLEET_KEYS = "fleet"
@@ -54,15 +58,20 @@ class StartingFleet:
     """A :class:`cluster.fleet.Fleet` started in a background thread, so the API answers (503) while it starts.
 
     Until the fleet is up, :meth:`health` reports ``starting`` with each group's phase so far
-    (``starting``: placement, rendezvous, load; ``capturing``; ``ready``), or ``dead`` with the
-    error if the start failed, and ``ready`` is False; afterwards every attribute is the fleet's.
-    ``fleet_options`` and ``tokenizer`` are passed to :meth:`cluster.fleet.Fleet.start`.
+    (``starting``: placement, rendezvous, load; ``capturing``; ``ready``) and, while a group's
+    placement group waits for resources, its ``waiting`` details (what it asked for and what the
+    cluster has free), or ``dead`` with the error if the start failed (``draining``, then
+    ``stopped``, once :meth:`drain` has begun), and ``ready`` is False;
+    afterwards every attribute is the fleet's. ``fleet_options`` and ``tokenizer`` are passed to
+    :meth:`cluster.fleet.Fleet.start`.
     """
 
     def __init__(self, config, fleet_options: dict, tokenizer=None) -> None:
         self._fleet = None
         self._error: str | None = None
-        self._phases: dict[str, str] = {}
+        self._phases: dict[str, tuple] = {}
+        self._cancel = threading.Event()
+        self._draining = False
         self._thread = threading.Thread(target=self._start, args=(config, fleet_options, tokenizer),
                                         name="fleet-start", daemon=True)
         self._thread.start()
@@ -70,13 +79,17 @@ class StartingFleet:
     def _start(self, config, fleet_options: dict, tokenizer) -> None:
         from cluster.fleet import Fleet
 
-        def on_state(group_id: str, state) -> None:
-            self._phases[group_id] = state.value
+        def on_state(group_id: str, state, waiting) -> None:
+            self._phases[group_id] = (state.value, waiting)
 
         try:
-            self._fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, **fleet_options)
+            self._fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, cancel=self._cancel,
+                                      **fleet_options)
         except Exception as e:  # noqa: BLE001 (reported by health(); Serve then restarts the replica)
-            log.exception("fleet start failed")
+            if self._cancel.is_set():
+                log.info("fleet start cancelled: %s", e)
+            else:
+                log.exception("fleet start failed")
             self._error = f"fleet start failed: {type(e).__name__}: {e}"
 
     @property
@@ -86,18 +99,41 @@ class StartingFleet:
     def health(self) -> dict:
         if self._fleet is not None:
             return self._fleet.health()
+        now = time.monotonic()
         phases = dict(self._phases)  # one atomic copy: start threads add to it meanwhile
-        groups = {gid: {"state": phase} for gid, phase in sorted(phases.items())}
+        groups = {gid: {"state": phase, "waiting": waiting.health(now) if waiting is not None else None}
+                  for gid, (phase, waiting) in sorted(phases.items())}
+        if self._draining:  # a start cancelled by a drain is no failure
+            status = "draining" if self._thread.is_alive() else "stopped"
+            return {"status": status, "groups": groups, "queued": 0, "in_flight": 0}
         if self._error is not None:
             return {"status": "dead", "groups": groups, "error": self._error}
         return {"status": "starting", "groups": groups, "queued": 0, "in_flight": 0}
+
+    def drain(self, timeout_s: float):
+        """:meth:`cluster.fleet.Fleet.drain`; a start still under way is cancelled first and waited for
+        (at most ``timeout_s``: it ends at its next look), and the fleet drained if it came up meanwhile."""
+        from cluster.fleet import DrainReport
+
+        started = time.monotonic()
+        self._draining = True
+        if self._fleet is not None:
+            return self._fleet.drain(timeout_s)
+        self._cancel.set()
+        self._thread.join(timeout_s)
+        if self._fleet is not None:  # it came up meanwhile: it has no request yet
+            return self._fleet.drain(max(0.0, timeout_s - (time.monotonic() - started)))
+        return DrainReport(0, 0, time.monotonic() - started)
 
     def rank_metrics(self, timeout_s: float = 1.0) -> list[bytes]:
         """:meth:`cluster.fleet.Fleet.rank_metrics`; none while the fleet starts."""
         return self._fleet.rank_metrics(timeout_s) if self._fleet is not None else []
 
-    def shutdown(self) -> None:
-        self._thread.join()
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Cancel a start still under way (it ends at its next look: see :meth:`cluster.fleet.Fleet.start`),
+        wait for it at most ``timeout_s`` (None: until it ends), then shut the fleet down."""
+        self._cancel.set()
+        self._thread.join(timeout_s)
         if self._fleet is not None:
             self._fleet.shutdown()
 
@@ -108,45 +144,105 @@ class StartingFleet:
         return getattr(fleet, name)
 
 
+#: Seconds beyond ``serve.drain_timeout_s`` that a replica's shutdown may take: aborting what is left
+#: (``cluster.fleet.DRAIN_ABORT_WAIT_S``), sending the last responses, shutting every group down.
+SHUTDOWN_MARGIN_S = 30.0
+#: Seconds the drain waits for the last responses to be sent once the fleet has ended every request.
+RESPONSE_FLUSH_S = 5.0
+
+
+def shutdown_options(serve_config) -> dict:
+    """The Serve deployment options of a replica's shutdown under ``serve_config`` (the ``serve`` section):
+    ``graceful_shutdown_timeout_s`` = ``drain_timeout_s`` + ``SHUTDOWN_MARGIN_S`` (Serve force-kills a replica
+    after it), and a short ``graceful_shutdown_wait_loop_s`` (Serve sleeps one loop before it calls ``__del__``)."""
+    return {"graceful_shutdown_timeout_s": serve_config.drain_timeout_s + SHUTDOWN_MARGIN_S,
+            "graceful_shutdown_wait_loop_s": 0.5}
+
+
+# The shutdown options are shutdown_options() of the default serve section; deployment() binds a config's.
 @serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=256,
-                  graceful_shutdown_timeout_s=60, health_check_period_s=10, health_check_timeout_s=60,
-                  ray_actor_options={"num_cpus": 1})
+                  graceful_shutdown_timeout_s=60, graceful_shutdown_wait_loop_s=0.5, health_check_period_s=10,
+                  health_check_timeout_s=60, ray_actor_options={"num_cpus": 1})
 @serve.ingress()
 class OpenAIIngress:
     """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (``Fleet.start``'s
     keyword options). The fleet starts in the background: until it is up, ``/health`` and the API answer 503.
-    The replica loads the checkpoint's tokenizer once: the API, the fleet and its engines share it."""
+    The replica loads the checkpoint's tokenizer once: the API, the fleet and its engines share it.
+    Bind it with :func:`shutdown_options` (as :func:`deployment` does) so Serve's shutdown budget follows
+    ``serve.drain_timeout_s``."""
 
     def __init__(self, config: dict, fleet_options: dict | None = None) -> None:
         from deploy.config import Config
+        from deploy.drain import Admission
         from worker.tokenizer import load_tokenizer
 
         self.config = Config.from_dict(config)
         if self.config.serve.gil_switch_interval_ms is not None:
             sys.setswitchinterval(self.config.serve.gil_switch_interval_ms / 1e3)
             log.info("GIL switch interval %.3f ms", sys.getswitchinterval() * 1e3)
+        self.admission = Admission()
+        self._drain_task: asyncio.Future | None = None
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.fleet = StartingFleet(self.config, dict(fleet_options or {}), self.tokenizer)
 
     def __serve_build_asgi_app__(self):
         from deploy.api import build_app
+        from deploy.drain import DrainGate
 
-        return build_app(self.fleet, self.tokenizer, self.config)
+        app = build_app(self.fleet, self.tokenizer, self.config)
+        app.add_middleware(DrainGate, admission=self.admission)
+        return app
 
     async def check_health(self) -> None:
-        """Unhealthy (Serve restarts the replica) only when the fleet is dead or failed to start."""
+        """Unhealthy (Serve restarts the replica) only when the fleet is dead or failed to start; a
+        draining or drained replica is not (it is on its way out)."""
+        if self._drain_task is not None:
+            return
         h = self.fleet.health()
         if h.get("status") == "dead":
             raise RuntimeError(f"fleet is dead: {h.get('error') or h.get('groups')}")
 
-    def __del__(self) -> None:
-        fleet = getattr(self, "fleet", None)
-        if fleet is not None:
-            fleet.shutdown()
+    async def drain(self, timeout_s: float | None = None) -> dict:
+        """Drain this replica: the one drain of ``graphfleet serve``'s SIGTERM (through a deployment
+        handle), of the Helm chart's preStop (``graphfleet drain``) and of Serve's own replica shutdown
+        (:meth:`__del__`).
+
+        New API requests get 503 (code ``draining``, ``Retry-After``); requests in flight get ``timeout_s``
+        (None: ``serve.drain_timeout_s``) to finish, then end with finish_reason "abort" and an error in
+        their stream (a non-streamed one: 503); once their responses are sent, every rank and placement
+        group is released (:meth:`cluster.fleet.Fleet.drain`). Returns ``finished``, ``aborted``,
+        ``seconds`` and ``flushed`` (every response sent). A second call waits for the first.
+        """
+        if self._drain_task is None:
+            timeout = self.config.serve.drain_timeout_s if timeout_s is None else timeout_s
+            self._drain_task = asyncio.ensure_future(self._drain(timeout))
+        return await asyncio.shield(self._drain_task)
+
+    async def _drain(self, timeout_s: float) -> dict:
+        started = time.monotonic()
+        self.admission.close()
+        log.info("draining: %d API requests open, %gs for them to finish", self.admission.open, timeout_s)
+        report = await asyncio.to_thread(self.fleet.drain, timeout_s)
+        flushed = await self.admission.wait_idle(RESPONSE_FLUSH_S)
+        result = {"finished": report.finished, "aborted": report.aborted,
+                  "seconds": round(time.monotonic() - started, 2), "flushed": flushed}
+        log.info("drained: %s", result)
+        return result
+
+    async def __del__(self) -> None:
+        """Serve's replica shutdown calls this once it has stopped routing here and waited for the
+        requests in flight (up to ``graceful_shutdown_timeout_s``): drain what is left."""
+        if getattr(self, "fleet", None) is not None:
+            await self.drain()
+
+
+def deployment(config) -> serve.Deployment:
+    """:class:`OpenAIIngress` with the Serve options ``config`` (a :class:`deploy.config.Config`) implies."""
+    return OpenAIIngress.options(**shutdown_options(config.serve))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """The application for ``serve run deploy.serve_app:app_builder`` (args: see :func:`build_config`,
     plus ``fleet``: a dict of ``Fleet.start`` options, see :func:`cluster.fleet_config.apply_fleet_options`)."""
     config = build_config(args)
-    return OpenAIIngress.bind(config.to_dict(), dict(args.get(_FLEET_KEYS) or {}))
+    return deployment(config).bind(config.to_dict(), dict(args.get(_FLEET_KEYS) or {}))

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
-from deploy.errors import ApiError, generation_failed
+from deploy.errors import ApiError, generation_failed, server_aborted
 
 
 @dataclass
@@ -174,7 +174,8 @@ def _stream_error(item: Exception | Any) -> str:
 async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence[BaseModel], usage_cls,
                   rid: str, created: int, model: str, settings: StreamSettings) -> AsyncIterator[str]:
     """The SSE body shared by both endpoints: ``opening`` chunks, one ``chunk(job, event)`` per
-    batch of a choice's events (None skips it), an error event per failed job, usage, then ``[DONE]``.
+    batch of a choice's events (None skips it), an error event per failed job and after the final
+    chunk of one the server aborted (a drain's timeout), usage, then ``[DONE]``.
 
     What is ready together goes out as one body write (still one SSE event per choice): under load
     that is one message through Serve's proxy per batch instead of one per token.
@@ -206,6 +207,8 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
                 if failed is not None:
                     state.add(job, failed, 1 if failed.token_ids else 0)
                     parts.append(_stream_error(failed))
+                elif (aborted := server_aborted(item[-1])) is not None:  # after its "abort" chunk
+                    parts.append(_data(aborted.body()))
             if parts:
                 yield "".join(parts)
         if settings.include_usage:

@@ -176,11 +176,56 @@ def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpo
 
 
 @pytest.mark.timeout(300)
-def test_group_that_cannot_be_placed_fails_fast_with_a_reason(ray_local, checkpoint_dir):
-    from cluster.rank import GroupUnavailable
+def test_group_that_cannot_be_placed_reports_its_wait_then_fails_with_a_reason(ray_local, checkpoint_dir, caplog):
+    """2 ranks x 4 CPUs on a 6-CPU Ray: the group says within seconds that it waits for resources,
+    with what it asked for and what is free (the log says it once), then fails at
+    cluster.start_timeout_s naming both."""
+    import logging
+    import threading
+
+    from cluster.rank import GroupUnavailable, PlacementWait
 
     path = checkpoint_dir("tiny-llama")
+    seen: list[tuple[float, object, PlacementWait | None]] = []
+    caplog.set_level(logging.INFO, logger="cluster.group")
     started = time.monotonic()
-    with pytest.raises(GroupUnavailable, match="placement group for 16 ranks.*not ready after 5s"):
-        WorkerGroup(_config(path, 16, "cluster.start_timeout_s=5"))
-    assert time.monotonic() - started < 60
+    with pytest.raises(GroupUnavailable, match=r"placement group for 2 ranks x \{'CPU': 4.0\} not ready after 6s: "
+                                               r"the cluster lacks those resources \(\{'CPU': [0-9.]+\} free\)"):
+        WorkerGroup(_config(path, 2, "cluster.cpus_per_rank=4", "cluster.start_timeout_s=6"),
+                    on_state=lambda gid, state, waiting: seen.append((time.monotonic() - started, state, waiting)))
+    assert time.monotonic() - started < 30
+    waits = [(t, w) for t, state, w in seen if w is not None]
+    assert waits and waits[0][0] < 3, seen  # reported within seconds, not at the timeout
+    assert all(state is GroupState.STARTING for _, state, w in seen if w is not None)
+    assert len(waits) >= 3, "the wait is refreshed about every second"
+    health = waits[-1][1].health(time.monotonic())
+    assert health["state"] == "waiting for resources"
+    assert health["asked"] == {"bundle": {"CPU": 4.0}, "count": 2}
+    assert 0 <= health["available"]["CPU"] <= 6 and health["waiting_s"] > 3
+    said = [r.getMessage() for r in caplog.records if "waiting for resources" in r.getMessage()]
+    assert len(said) == 1 and "asks 2 x {'CPU': 4.0}" in said[0] and "free" in said[0], said
+
+    # A cancelled start ends at its next look instead of at the timeout.
+    stop = threading.Event()
+    timer = threading.Timer(1.5, stop.set)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(GroupUnavailable, match="start cancelled while waiting for resources"):
+        WorkerGroup(_config(path, 2, "cluster.cpus_per_rank=4", "cluster.start_timeout_s=120"), cancel=stop)
+    assert time.monotonic() - started < 10
+    assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"
+                and pg["name"].startswith("graphfleet-g0-")], "the cancelled group's placement group is left"
+
+
+def test_a_cpu_rank_reserves_its_cpu_share_and_a_bundle_is_never_empty(ray_local, checkpoint_dir):
+    from configkit import ConfigError
+
+    group = WorkerGroup(_config(checkpoint_dir("tiny-llama"), 1, "cluster.cpus_per_rank=0.5"), group_id="share")
+    try:
+        [pg] = [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"] == "graphfleet-share-0" and pg["state"] == "CREATED"]
+        assert list(pg["bundles"].values()) == [{"CPU": 0.5}]
+    finally:
+        group.shutdown()
+    with pytest.raises(ConfigError, match="cluster.cpus_per_rank: must be > 0"):
+        _config(checkpoint_dir("tiny-llama"), 1, "cluster.cpus_per_rank=0")

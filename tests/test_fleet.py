@@ -476,3 +476,51 @@ def test_restart_killed_while_capturing_is_retried_until_a_generation_is_ready(r
         assert [results[i][1].finish_reason for i in range(4)] == ["length"] * 4
         assert group.restarts == 2 and group.health()["generation"] == 2
         _wait_until(lambda: fleet.health()["status"] == "ready" and _pages_back(fleet), 60, "fleet ready again")
+
+
+# ----- graceful shutdown -----
+
+@pytest.mark.timeout(240)
+def test_drain_finishes_short_requests_aborts_long_ones_and_releases_every_group(ray_local, path):
+    from cluster.fleet import FleetClosed, FleetDraining
+
+    fleet = Fleet.start(_config(path), mode="disaggregated", name="drn")
+    pg_names = {f"graphfleet-{s.group_id}-0" for s in fleet.members}
+    rank_names = [f"graphfleet-{s.group_id}-0-rank0" for s in fleet.members]
+    prompt = _prompts(1, seed=12)[0]
+    short = fleet.submit(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    long = fleet.submit(prompt, SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True))
+    events = long.events(wait_s=60)
+    next(events)  # both are running: the long one has its first token
+    refused = []
+
+    def submit_while_draining():
+        _wait_until(lambda: fleet.draining, 10, "the drain to begin")
+        try:
+            fleet.submit(prompt, GREEDY)
+        except FleetDraining as e:
+            refused.append(str(e))
+
+    t = threading.Thread(target=submit_while_draining)
+    t.start()
+    started = time.monotonic()
+    report = fleet.drain(3.0)
+    elapsed = time.monotonic() - started
+    t.join(10)
+    assert refused and "draining" in refused[0]
+    assert (report.finished, report.aborted) == (1, 1) and 3.0 <= report.seconds <= elapsed < 30
+    out = short.result(wait_s=10)
+    assert out.finish_reason == "length" and len(out.token_ids) == 20 and out.error is None
+    out = long.result(wait_s=10)
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 1500
+    assert out.error == "the server is shutting down: the request did not finish within the drain timeout (3s)"
+    assert fleet.health()["status"] == "stopped"
+    with pytest.raises(FleetClosed, match="not accepting requests"):  # once shut down
+        fleet.submit(prompt, GREEDY)
+    assert fleet.drain(3.0).seconds == 0.0  # nothing left to do
+    live = [pg for pg in ray.util.placement_group_table().values() if pg["name"] in pg_names
+            and pg["state"] != "REMOVED"]
+    assert live == [], live
+    for name in rank_names:
+        with pytest.raises(ValueError):
+            ray.get_actor(name)

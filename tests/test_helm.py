@@ -162,6 +162,85 @@ def test_startup_probe_budget(case):
         assert "/-/healthz" in c["readinessProbe"]["exec"]["command"][-1]
 
 
+def _shutdown_budget(values: dict) -> tuple[int, int]:
+    """(drain budget, termination grace period) as values.yaml's `shutdown` comment defines them."""
+    sh = values["shutdown"]
+    budget = math.ceil(values["config"]["serve"]["drain_timeout_s"] + sh["drainMarginSeconds"])
+    return budget, math.ceil(budget + sh["workerHeadStartSeconds"] + sh["rayStopSeconds"])
+
+
+@pytest.mark.parametrize("drain_timeout", [None, 120.5])
+def test_shutdown_follows_the_drain_timeout(case, drain_timeout, tmp_path):
+    """Serve's graceful_shutdown_timeout_s and the head's preStop wait are drain_timeout_s + margin; every
+    pod's grace period covers that plus the worker's head start and Ray's exit; workers wait for the drain."""
+    name, values, docs = case
+    if drain_timeout is not None:
+        values = json.loads(json.dumps(values))
+        values["config"]["serve"]["drain_timeout_s"] = drain_timeout
+        override = tmp_path / "drain.yaml"  # --set would pass 120.5 as a string
+        override.write_text(yaml.safe_dump({"config": {"serve": {"drain_timeout_s": drain_timeout}}}))
+        docs = helm_template([*CASES[name], override])
+    budget, grace = _shutdown_budget(values)
+    assert budget > values["config"]["serve"]["drain_timeout_s"] and grace > budget
+    (rayservice,) = by_kind(docs, "RayService")
+    [deployment] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["deployments"]
+    assert deployment["graceful_shutdown_timeout_s"] == budget
+    spec = rayservice["spec"]["rayClusterConfig"]
+    pods = {"head": spec["headGroupSpec"]["template"]["spec"]}
+    pods.update({g["groupName"]: g["template"]["spec"] for g in spec["workerGroupSpecs"]})
+    assert {n: p["terminationGracePeriodSeconds"] for n, p in pods.items()} == {n: grace for n in pods}
+    head = pods.pop("head")["containers"][0]
+    assert head["lifecycle"]["preStop"]["exec"]["command"] == ["graphfleet", "drain", "--wait-s", str(budget)]
+    for pod in pods.values():
+        command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["bash", "-c"] and f"${{FQ_RAY_IP}}:{values['config']['serve']['port']}/health" \
+            in command[2] and f"+ {budget}))" in command[2]
+
+
+def test_worker_prestop_waits_while_the_app_drains(tmp_path):
+    """The worker's preStop (rendered, run by bash with wget) against a real HTTP server: it returns at
+    once after the head start while the app is ready, and only once a draining app has stopped."""
+    import http.server
+    import subprocess
+    import threading
+    import time
+
+    status = {"now": "ready"}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": status["now"], "groups": {}}).encode()
+            self.send_response(200 if status["now"] == "ready" else 503)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        docs = helm_template(sets=["shutdown.workerHeadStartSeconds=1", f"config.serve.port={port}"])
+        (rayservice,) = by_kind(docs, "RayService")
+        [group] = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        command = group["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        env = {"FQ_RAY_IP": "127.0.0.1", "PATH": "/usr/bin:/bin"}
+
+        def run_prestop() -> float:
+            started = time.monotonic()
+            subprocess.run(command, env=env, timeout=60, check=True)
+            return time.monotonic() - started
+
+        assert 1 <= run_prestop() < 5  # ready: only the head start
+        status["now"] = "draining"
+        threading.Timer(4, lambda: status.update(now="stopped")).start()
+        assert 4 <= run_prestop() < 10  # waited for the drain to end
+    finally:
+        server.shutdown()
+
+
 def test_dashboards_configmap_carries_every_dashboard(case):
     _, values, docs = case
     (cm,) = by_kind(docs, "ConfigMap")
@@ -239,6 +318,9 @@ def test_schema_accepts_the_shipped_values():
     ("config.graphs.decoder.backend=full", "decoder"),
     ("startup.safetyFactor=0.5", "startup/safetyFactor"),
     ("startup.periodSeconds=0", "startup/periodSeconds"),
+    ("shutdown.drainMarginSeconds=-1", "shutdown/drainMarginSeconds"),
+    ("config.serve.drain_timeout_s=-5", "config/serve/drain_timeout_s"),
+    ("config.cluster.cpus_per_rank=0", "config/cluster/cpus_per_rank"),
     ("workers.gpu.replicas=2", "gpu"),
 ])
 def test_schema_rejects_bad_values(bad, needle):

@@ -17,7 +17,7 @@ from ray import serve
 
 from deploy.config import load_config
 from deploy.serve_app import app_builder
-from tests.serve_harness import OVERRIDES, free_port, wait_healthy
+from tests.serve_harness import OVERRIDES, free_port, scrape, total, wait_healthy
 from tests.serve_harness import http as _http
 from worker.engine import Engine
 from worker.sampling.params import SamplingParams
@@ -268,6 +268,92 @@ def test_client_disconnect_aborts_stream(server):
     assert _http("GET", f"{server}/health")[0] == 200
 
 
+class _OpenStream:
+    """A streamed completion on a raw socket, read on a thread; :meth:`cut` drops the connection."""
+
+    def __init__(self, server: str, prefix: str, max_tokens: int) -> None:
+        import http.client
+        import threading
+
+        host, port = server.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.conn.request("POST", f"{prefix}/v1/completions",
+                          json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": max_tokens, "stream": True,
+                                      "ignore_eos": True}), {"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200
+        self.chunks = 0
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.resp:
+                self.chunks += line.startswith(b"data: ")
+        except (OSError, ValueError):  # cut
+            pass
+
+    def cut(self) -> float:
+        """Drop the connection as a client going away does; returns when (``time.monotonic()``)."""
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+        return time.monotonic()
+
+
+@pytest.mark.timeout(300)
+def test_disconnects_free_pages_at_once_queued_in_handoff_and_decoding(server, path):
+    """One slot per group (disaggregated, max_running_requests=1): A decodes on the decode group, B is
+    prefilled and its KV waits for that slot (a hand-off), C waits in the queue. Each client goes away in
+    turn; each request is aborted at once (within 2 s): it leaves the queue, the hand-off, the decode
+    group, and every group's KV usage returns to 0."""
+    base = f"{server}/cut"
+    app = app_builder({"model": str(path), "overrides": [*OVERRIDES, "scheduler.max_running_requests=1"],
+                       "model_name": "tiny", "fleet": {"name": "cut", "mode": "disaggregated"}})
+    serve.run(app, name="graphfleet-cut", route_prefix="/cut", blocking=False)
+    try:
+        wait_healthy(base)
+        max_tokens = _http("GET", f"{base}/v1/models")[1]["data"][0]["max_model_len"] - 8
+
+        def health():
+            return _http("GET", f"{base}/health")[1]
+
+        def usage():
+            return {labels["group"]: v for labels, v in scrape(base).get("kv_cache_usage_ratio", [])}
+
+        def aborted():
+            return total(scrape(base), "request_success_total", finish_reason="abort")
+
+        def until(predicate, what, since, within_s=2.0):
+            while not predicate():
+                assert time.monotonic() - since < 60, f"{what}: {health()} {usage()}"
+                time.sleep(0.02)
+            took = time.monotonic() - since
+            assert took < within_s, f"{what} took {took:.2f}s"
+            return took
+
+        a = _OpenStream(server, "/cut", max_tokens)
+        until(lambda: a.chunks >= 3, "A decoding", time.monotonic(), 60)
+        b = _OpenStream(server, "/cut", max_tokens)
+        until(lambda: health()["handoffs"] == 1 and b.chunks >= 1, "B prefilled, its KV waiting", time.monotonic(), 60)
+        c = _OpenStream(server, "/cut", max_tokens)
+        until(lambda: health()["queued"] == 1, "C queued", time.monotonic(), 60)
+        assert health()["in_flight"] == 3 and usage()["cut-d0"] > 0 and usage()["cut-p0"] == 0
+        before = aborted()
+
+        took = {"queued": until(lambda: health()["queued"] == 0 and health()["in_flight"] == 2,
+                                "C (queued) aborted", c.cut())}
+        took["handoff"] = until(lambda: health()["handoffs"] == 0 and health()["in_flight"] == 1,
+                                "B (in a hand-off) aborted", b.cut())
+        assert health()["queued"] == 0 and usage()["cut-d0"] > 0  # A still decodes
+        took["decoding"] = until(lambda: health()["in_flight"] == 0 and set(usage().values()) == {0.0},
+                                 "A (decoding) aborted, its pages freed", a.cut())
+        until(lambda: aborted() - before == 3, "3 aborts counted", time.monotonic())
+        assert _http("GET", f"{base}/health")[0] == 200
+        print(f"from disconnect to aborted and freed: {took}")
+    finally:
+        serve.delete("graphfleet-cut")
+
+
 # ----- limits on a real fleet: overload (429) and deadlines (504) -----
 
 @pytest.fixture(scope="module")
@@ -338,8 +424,87 @@ def test_starting_fleet_reports_a_failed_start(server, path):
     assert not starting.ready and h["status"] == "dead" and "unknown fleet option 'num_groups'" in h["error"]
 
 
+def test_health_names_what_a_group_waits_for_within_seconds(server, path):
+    """A rank asking for more CPUs than the Ray cluster has (64 of 16): within 10 s ``/health`` says the
+    group waits for resources, with what it asked for and what is free; deleting the app ends the wait."""
+    app = app_builder({"model": str(path), "overrides": [*OVERRIDES, "cluster.cpus_per_rank=64"], "model_name": "tiny",
+                       "fleet": {"name": "huge"}})
+    serve.run(app, name="graphfleet-huge", route_prefix="/huge", blocking=False)
+    deployed = time.monotonic()
+    try:
+        while True:
+            status, body, _ = _http("GET", f"{server}/huge/health")
+            if status == 503 and body.get("waiting"):
+                break
+            assert status in (404, 503) and time.monotonic() - deployed < 10, (status, body)
+            time.sleep(0.1)
+        assert body["status"] == "starting" and body["groups"] == {"huge-c0": "starting"}, body
+        waiting = body["waiting"]["huge-c0"]
+        assert waiting["state"] == "waiting for resources"
+        assert waiting["asked"] == {"bundle": {"CPU": 64.0}, "count": 1}
+        assert 0 <= waiting["available"]["CPU"] <= 16
+        reported_s = time.monotonic() - deployed
+        later = _http("GET", f"{server}/huge/health")[1]["waiting"]["huge-c0"]
+        assert later["waiting_s"] >= waiting["waiting_s"]
+        print(f"waiting for resources reported {reported_s:.1f}s after the app was deployed")
+    finally:
+        serve.delete("graphfleet-huge")
+    pending = [pg for pg in ray.util.placement_group_table().values()
+               if pg["name"].startswith("graphfleet-huge-") and pg["state"] != "REMOVED"]
+    assert pending == [], pending
+
+
+@pytest.mark.timeout(300)
+def test_serves_own_replica_shutdown_waits_for_the_stream_then_drains_in_del(server, path):
+    """Serve's replica shutdown (``serve.delete``; a config update or scale-down does the same) stops routing
+    to the replica, waits for the open stream (up to graceful_shutdown_timeout_s = drain + margin), then
+    awaits the replica's async ``__del__``, which runs the drain: the stream ended normally, the drain found
+    nothing left, and the fleet's placement groups are gone."""
+    import http.client
+    from pathlib import Path
+
+    app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny", "fleet": {"name": "bye"}})
+    serve.run(app, name="graphfleet-bye", route_prefix="/bye", blocking=False)
+    wait_healthy(f"{server}/bye")
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/bye/v1/completions", json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 200,
+                                                            "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    serve.delete("graphfleet-bye")  # returns once the replica has shut down
+    events = [line.decode().strip() for line in resp if line.strip()]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    [replica_log] = logs.glob("replica_graphfleet-bye_OpenAIIngress_*.log")
+    drained = [line for line in replica_log.read_text().splitlines() if "drained: " in line]
+    assert drained and "'finished': 0, 'aborted': 0" in drained[-1], drained
+    left = [pg for pg in ray.util.placement_group_table().values()
+            if pg["name"].startswith("graphfleet-bye-") and pg["state"] != "REMOVED"]
+    assert left == [], left
+
+
+def test_serves_shutdown_budget_follows_the_drain_timeout(path):
+    from deploy.serve_app import SHUTDOWN_MARGIN_S, OpenAIIngress, build_config, deployment
+
+    for drain in (None, 12.5):
+        config = build_config({"model": str(path), "overrides": [] if drain is None else
+                               [f"serve.drain_timeout_s={drain}"]})
+        options = deployment(config)._deployment_config  # Serve keeps the options it will run with here
+        assert options.graceful_shutdown_timeout_s == config.serve.drain_timeout_s + SHUTDOWN_MARGIN_S
+        assert options.graceful_shutdown_wait_loop_s == 0.5
+    # The class's own options are those of the default drain timeout.
+    assert OpenAIIngress._deployment_config.graceful_shutdown_timeout_s == 30.0 + SHUTDOWN_MARGIN_S
+
+
 def test_cli_serve_parses():
     from deploy.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--model", "/m", "--port", "9000", "--api-key", "k"])
     assert (args.command, args.model, args.port, args.api_key, args.host) == ("serve", "/m", 9000, "k", None)
+    assert args.ray_address is None
+    args = build_parser().parse_args(["drain", "--ray-address", "10.0.0.5:6379", "--wait-s", "60"])
+    assert (args.command, args.ray_address, args.timeout, args.wait_s) == ("drain", "10.0.0.5:6379", None, 60.0)

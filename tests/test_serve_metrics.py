@@ -145,9 +145,12 @@ def test_kv_usage_while_a_request_runs(server, client):
 
 
 def test_health_is_503_with_phases_until_the_fleet_is_up(server, path):
-    """While its group waits for a CPU the new app answers 503 naming each group's phase; then 200."""
-    free = int(ray.available_resources().get("CPU", 0))
-    hold = placement_group([{"CPU": 1}] * free) if free else None
+    """While its group waits for a CPU the new app answers 503 naming each group's phase and what it
+    waits for; then 200."""
+    free = ray.available_resources().get("CPU", 0)
+    # Whole CPUs and the fraction left (ranks reserve cluster.cpus_per_rank, a fraction of one).
+    bundles = [{"CPU": 1}] * int(free) + ([{"CPU": round(free - int(free), 4)}] if free - int(free) > 1e-4 else [])
+    hold = placement_group(bundles) if bundles else None
     if hold is not None:
         ray.get(hold.ready(), timeout=30)
     config = build_config({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny"})
@@ -166,6 +169,13 @@ def test_health_is_503_with_phases_until_the_fleet_is_up(server, path):
             assert body["status"] == "starting" and body["groups"] == {"slow-c0": "starting"}, body
             time.sleep(0.5)
             got = http("GET", f"{base}/health")
+        end = time.monotonic() + 10
+        while not (body := http("GET", f"{base}/health")[1])["waiting"]:  # the wait is reported within seconds
+            assert time.monotonic() < end and body["groups"] == {"slow-c0": "starting"}, body
+            time.sleep(0.2)
+        waiting = body["waiting"]["slow-c0"]
+        assert waiting["state"] == "waiting for resources" and waiting["available"] == {"CPU": 0.0}, body
+        assert waiting["asked"] == {"bundle": {"CPU": 0.25}, "count": 1}, body
         status, err, headers = http("POST", f"{base}/v1/completions", {"model": "tiny", "prompt": "Hi"})
         assert status == 503 and err["error"]["code"] == "not_ready" and headers["retry-after"] == "1", err
         status, text, _ = http("GET", f"{base}/metrics")

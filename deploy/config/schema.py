@@ -30,6 +30,10 @@ class ServeConfig(Section):
         (the first token and the finish at once), several tokens to a chunk, as Ray Serve LLM's
         ``stream_batching_interval_ms``; 0 = every step's tokens as they come (vLLM's and SGLang's
         default). Each chunk costs the replica a JSON body and a message through Serve's proxy.
+    drain_timeout_s: on shutdown (SIGTERM to ``graphfleet serve``, the Helm chart's preStop, Serve's
+        replica shutdown) new requests get 503 and those in flight may run this long before they end
+        with finish_reason "abort" (>= 0). Serve's ``graceful_shutdown_timeout_s`` and the pods'
+        termination grace period follow it (:func:`deploy.serve_app.shutdown_options`, the chart).
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +43,7 @@ class ServeConfig(Section):
     request_timeout_s: float | None = None
     gil_switch_interval_ms: float | None = None
     stream_batching_interval_ms: float = 50.0
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         check(bool(self.host), "host", "must not be empty")
@@ -50,6 +55,8 @@ class ServeConfig(Section):
         check(g is None or 0 < g <= 1000, "gil_switch_interval_ms", f"must be in (0, 1000] or null, got {g!r}")
         b = self.stream_batching_interval_ms
         check(0 <= b <= 1000, "stream_batching_interval_ms", f"must be in [0, 1000], got {b!r}")
+        d = self.drain_timeout_s
+        check(0 <= d <= 86400, "drain_timeout_s", f"must be in [0, 86400], got {d!r}")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,29 @@ The startup budget in seconds (values.yaml, startup):
 {{- end }}
 
 {{/*
+The drain budget in seconds (values.yaml, shutdown): ceil(config.serve.drain_timeout_s + drainMarginSeconds).
+The head's preStop waits at most this long, and Serve's graceful_shutdown_timeout_s is the same.
+*/}}
+{{- define "graphfleet.drainBudgetSeconds" -}}
+{{- addf .Values.config.serve.drain_timeout_s .Values.shutdown.drainMarginSeconds | ceil | int }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds of every pod: drain budget + workerHeadStartSeconds + rayStopSeconds. */}}
+{{- define "graphfleet.terminationGraceSeconds" -}}
+{{- $budget := include "graphfleet.drainBudgetSeconds" . | atoi }}
+{{- addf $budget .Values.shutdown.workerHeadStartSeconds .Values.shutdown.rayStopSeconds | ceil | int }}
+{{- end }}
+
+{{/*
+A worker's preStop: give the head's drain workerHeadStartSeconds to begin, then wait (at most the
+drain budget) while the app's /health says "draining": this pod's ranks serve the drain's streams.
+*/}}
+{{- define "graphfleet.workerPreStop" -}}
+{{- $port := .Values.config.serve.port -}}
+sleep {{ .Values.shutdown.workerHeadStartSeconds }}; end=$((SECONDS + {{ include "graphfleet.drainBudgetSeconds" . }})); while [ $SECONDS -lt $end ] && wget --tries 1 -T 5 --content-on-error -q -O - http://${FQ_RAY_IP}:{{ $port }}/health | grep -q '"status": *"draining"'; do sleep 1; done
+{{- end }}
+
+{{/*
 GPUs per pod of a role: one graphfleet worker group per pod, so ceil(tp x gpus_per_rank).
 Arguments: (list $ role).
 */}}
@@ -99,6 +122,7 @@ failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
         {{- include "graphfleet.selectorLabels" $ | nindent 8 }}
         app.kubernetes.io/component: {{ $role }}
     spec:
+      terminationGracePeriodSeconds: {{ include "graphfleet.terminationGraceSeconds" $ }}
       {{- with $.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -124,6 +148,11 @@ failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
               {{- toYaml . | nindent 14 }}
               {{- end }}
               nvidia.com/gpu: {{ $gpus | quote }}
+          # Its ranks serve the head's drain (values.yaml, shutdown).
+          lifecycle:
+            preStop:
+              exec:
+                command: ["bash", "-c", {{ include "graphfleet.workerPreStop" $ | quote }}]
           # Passes once the fleet serves: this pod's groups have loaded, JIT-compiled and captured.
           # FQ_RAY_IP (set by KubeRay) is this cluster's head Service, which exposes the Serve port.
           startupProbe:
