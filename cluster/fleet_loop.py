@@ -309,7 +309,7 @@ class FleetLoop:
             # during it leaves a group no step has seen fail yet, so every hand-off to it would fail.
             dead = [] if e.timed_out else member.group.dead_ranks()
             if e.timed_out or dead:
-                member.group.fail(str(e) if e.timed_out else f"rank {', '.join(map(str, dead))} died: {e}")
+                member.group.fail(str(e) if e.timed_out else f"a rank died: rank {', '.join(map(str, dead))} ({e})")
             self._requeue(fr, str(e))
             return
         except RequestRejected as e:

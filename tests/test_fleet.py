@@ -456,7 +456,7 @@ def test_restart_killed_while_capturing_is_retried_until_a_generation_is_ready(r
     expected = [o.token_ids for o in reference(prompts)]
     killed: list[str] = []
 
-    def kill_the_first_restart_while_capturing(group_id, state):
+    def kill_the_first_restart_while_capturing(group_id, state, waiting):
         if state.value != "capturing" or killed:
             return
         names = [n for n in ray.util.list_named_actors() if n.startswith(f"graphfleet-{group_id}-")]
