@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import re
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.fleet import FleetClosed, Overloaded
@@ -29,6 +24,7 @@ from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.metrics_merge import merge_expositions
+from deploy.preprocess import PreparedRequest, Preprocessor, from_validation
 from deploy.streaming import (
     Job,
     StreamSettings,
@@ -39,27 +35,24 @@ from deploy.streaming import (
     completion_stream,
     sse_response,
 )
-from worker.admission import PromptLimits, PromptTooLong
+from worker.admission import PromptTooLong
 from worker.request import RequestRejected
-from worker.sampling.params import SamplingParams, SamplingParamsError
-from worker.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_N", "ApiError", "build_app"]
+__all__ = ["ApiError", "build_app"]
 
-#: Most choices one request may ask for (``n``), times the number of prompts.
-MAX_N = 16
 #: Seconds a client is told to wait after a 429.
 RETRY_AFTER_S = 1
 #: Seconds a ``/metrics`` scrape waits for the ranks' graph metrics.
 RANK_METRICS_TIMEOUT_S = 2.0
 
 
-def build_app(fleet, tokenizer, config) -> FastAPI:
+def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
     """The FastAPI app serving ``fleet``.
 
-    ``tokenizer`` encodes prompts, renders chat templates and spells logprob tokens;
+    ``preprocessor`` turns request bodies into prepared requests (parsed, tokenized, admitted) in
+    processes of its own; ``tokenizer`` spells logprob tokens;
     ``config`` is the :class:`deploy.config.Config` (its ``serve`` section: ``api_key``,
     ``model_name``, ``request_timeout_s``, ``stream_batching_interval_ms``).
     """
@@ -83,7 +76,7 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _from_validation(e.errors()).response()
+        return from_validation(e.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -151,13 +144,14 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     # ----- API -----
 
-    async def accept(request: Request, model: type[BaseModel]) -> Any:
-        """Authenticate, require a ready fleet, parse the body and check the model name."""
+    async def accept(request: Request, route: str) -> PreparedRequest:
+        """Authenticate, require a ready fleet, prepare the body (in the preprocessing pool) and check the
+        model name."""
         check_auth(request)
         check_ready()
-        req = await _parse(request, model)
-        check_model(req.model)
-        return req
+        prepared = await preprocessor.prepare(route, await request.body(), fleet.prompt_limits)
+        check_model(prepared.request.model)
+        return prepared
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -168,16 +162,10 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await accept(request, p.CompletionRequest)
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        if req.logprobs is not None and req.logprobs != 0:
-            raise ApiError(400, f"logprobs must be 0 or null (alternative tokens are not computed), "
-                                f"got {req.logprobs}", param="logprobs")
-        prompts = _completion_prompts(req.prompt, tokenizer, fleet.prompt_limits)
+        prepared = await accept(request, "completions")
+        req = prepared.request
         want_logprobs = req.logprobs is not None
-        jobs = _submit(fleet, prompts, _params(req, req.max_tokens, want_logprobs), req.n, "prompt",
-                       serve_cfg.request_timeout_s, metrics)
+        jobs = _submit(fleet, prepared, "prompt", serve_cfg.request_timeout_s, metrics)
         rid, t0 = p.new_id("cmpl"), p.now()
         if req.stream:
             return sse_response(completion_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
@@ -191,14 +179,9 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await accept(request, p.ChatCompletionRequest)
-        if req.top_logprobs:
-            raise ApiError(400, f"top_logprobs must be 0 or null (alternative tokens are not computed), "
-                                f"got {req.top_logprobs}", param="top_logprobs")
-        ids = _chat_prompt(req.messages, tokenizer, fleet.prompt_limits)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs = _submit(fleet, [ids], _params(req, max_tokens, req.logprobs), req.n, "messages",
-                       serve_cfg.request_timeout_s, metrics)
+        prepared = await accept(request, "chat")
+        req = prepared.request
+        jobs = _submit(fleet, prepared, "messages", serve_cfg.request_timeout_s, metrics)
         rid, t0 = p.new_id("chatcmpl"), p.now()
         if req.stream:
             return sse_response(chat_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
@@ -214,134 +197,13 @@ def build_app(fleet, tokenizer, config) -> FastAPI:
     return app
 
 
-# ----- request parsing -----
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
-                       code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise _from_validation(e.errors()) from None
-
-
-def _from_validation(errors: Sequence[dict]) -> ApiError:
-    """The first pydantic error as an ApiError naming the field (``messages.0.role``)."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # Union members add their type name to the location (``prompt.list[int].0``); keep the field path.
-    loc = [x for x in loc if not _UNION_TAG.match(x)]
-    param = ".".join(loc) or None
-    got = first.get("input")
-    shown = "" if got is None or first.get("type") == "missing" else f" (got {json.dumps(got, default=str)[:80]})"
-    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}{shown}", param=param)
-
-
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
-
-
-def _rejected(e: RequestRejected, param: str) -> ApiError:
-    """The 400 of a request the fleet would refuse, naming the field ``param``."""
-    code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
-    return ApiError(400, f"{param}: {e}", param=param, code=code)
-
-
-def _admitted(ids: list[int], limits: PromptLimits, param: str) -> list[int]:
-    try:
-        limits.check(ids)
-    except RequestRejected as e:
-        raise _rejected(e, param) from None
-    return ids
-
-
-def _completion_prompts(prompt: Any, tokenizer, limits: PromptLimits) -> list[list[int]]:
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError(400, "prompt is empty", param="prompt")
-    if all(isinstance(x, int) for x in prompt):
-        return [_admitted(list(prompt), limits, "prompt")]
-    if tokenizer is None and any(isinstance(x, str) for x in prompt):
-        raise ApiError(400, "this model has no tokenizer: send prompt as token ids", param="prompt")
-    for i, x in enumerate(prompt):
-        if not x:
-            raise ApiError(400, f"prompt[{i}] is empty", param="prompt")
-    return [_admitted(tokenizer.encode(x) if isinstance(x, str) else list(x), limits, f"prompt[{i}]")
-            for i, x in enumerate(prompt)]
-
-
-def _chat_prompt(messages: list[p.ChatMessage], tokenizer, limits: PromptLimits) -> list[int]:
-    if not messages:
-        raise ApiError(400, "messages is empty: give at least one message", param="messages")
-    if tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer, so no chat template: use /v1/completions",
-                       param="messages")
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
-    except (ChatTemplateError, TypeError) as e:
-        raise ApiError(400, f"messages: the chat template rejected the conversation: {e}",
-                       param="messages") from None
-    # The rendered template already holds the special tokens (BOS), as in vLLM.
-    return _admitted(tokenizer.encode(text, add_special_tokens=False), limits, "messages")
-
-
-def _params(req: p._SamplingFields, max_tokens: int | None, logprobs: bool) -> dict:
-    """SamplingParams fields of ``req`` (max_tokens None: up to max_model_len, filled per prompt)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported (must be 0 or null)", param=name)
-    if not 1 <= req.n <= MAX_N:
-        raise ApiError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
-    fields: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-        if getattr(req, name) is not None:
-            fields[name] = getattr(req, name)
-    if req.stop is not None:
-        fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
-    return fields
-
-
-def _sampling(fields: dict, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """The request's SamplingParams for one admitted prompt (so at least one token fits after it)."""
-    room = max_model_len - prompt_len
-    fields = dict(fields)
-    if fields["max_tokens"] is None:
-        fields["max_tokens"] = room
-    try:
-        params = SamplingParams(**fields)
-    except SamplingParamsError as e:
-        raise ApiError(400, str(e), param=str(e).split(" ", 1)[0].split("[", 1)[0]) from None
-    if params.max_tokens > room:
-        raise ApiError(400, f"max_tokens is {params.max_tokens}, but the prompt has {prompt_len} tokens and this "
-                            f"model's maximum context length is {max_model_len}: at most {room} can be generated",
-                       param="max_tokens", code="context_length_exceeded")
-    return params
-
-
-def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, timeout_s: float | None,
-            metrics: ApiMetrics) -> list[Job]:
-    """Validate everything, then submit ``n`` requests per prompt; all or none are queued."""
-    if len(prompts) * n > MAX_N:
-        raise ApiError(400, f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most {MAX_N}",
-                       param="n")
-    planned = []
-    for ids in prompts:
-        params = _sampling(fields, len(ids), fleet.max_model_len)
-        for k in range(n):
-            # Choices of one seeded request must differ, yet stay reproducible.
-            seed = None if params.seed is None or n == 1 else (params.seed + k) % (1 << 64)
-            planned.append((ids, params if seed is None else _replace_seed(params, seed)))
+def _submit(fleet, prepared: PreparedRequest, param: str, timeout_s: float | None, metrics: ApiMetrics) -> list[Job]:
+    """Submit every choice of ``prepared``; all or none are queued."""
     jobs: list[Job] = []
     t0 = time.monotonic()
     try:
-        for index, (ids, params) in enumerate(planned):
+        for index, (i, params) in enumerate(prepared.choices):
+            ids = prepared.prompts[i]
             jobs.append(Job(index, len(ids), fleet.submit(ids, params, timeout_s=timeout_s), t0))
     except Overloaded as e:
         abort_unfinished(jobs)
@@ -350,18 +212,13 @@ def _submit(fleet, prompts: list[list[int]], fields: dict, n: int, param: str, t
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RequestRejected as e:
         abort_unfinished(jobs)
-        raise _rejected(e, param) from None
+        code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
+        raise ApiError(400, f"{param}: {e}", param=param, code=code) from None
     except FleetClosed as e:  # FleetDraining too: a request that passed the drain gate just before it closed
         abort_unfinished(jobs)
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable", code="draining",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return jobs
-
-
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
 
 
 # ----- responses -----

@@ -19,6 +19,9 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
+    def __reduce__(self):  # crosses the request preprocessing pool's process boundary
+        return ApiError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return p.ErrorResponse(error=info).model_dump()

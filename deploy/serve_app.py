@@ -167,13 +167,15 @@ def shutdown_options(serve_config) -> dict:
 class OpenAIIngress:
     """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (``Fleet.start``'s
     keyword options). The fleet starts in the background: until it is up, ``/health`` and the API answer 503.
-    The replica loads the checkpoint's tokenizer once: the API, the fleet and its engines share it.
+    The replica loads the checkpoint's tokenizer once (the fleet detokenizes with it); request bodies
+    are parsed, tokenized and admitted in its :class:`deploy.preprocess.Preprocessor`'s processes.
     Bind it with :func:`shutdown_options` (as :func:`deployment` does) so Serve's shutdown budget follows
     ``serve.drain_timeout_s``."""
 
     def __init__(self, config: dict, fleet_options: dict | None = None) -> None:
         from deploy.config import Config
         from deploy.drain import Admission
+        from deploy.preprocess import Preprocessor
         from worker.tokenizer import load_tokenizer
 
         self.config = Config.from_dict(config)
@@ -183,14 +185,17 @@ class OpenAIIngress:
         self.admission = Admission()
         self._drain_task: asyncio.Future | None = None
         self.tokenizer = load_tokenizer(self.config.model.path)
+        self.preprocessor = Preprocessor(self.config.model.path, self.config.serve.preprocess_workers)
         self.fleet = StartingFleet(self.config, dict(fleet_options or {}), self.tokenizer)
 
     def __serve_build_asgi_app__(self):
         from deploy.api import build_app
+        from deploy.body_limit import BodyLimit
         from deploy.drain import DrainGate
 
-        app = build_app(self.fleet, self.tokenizer, self.config)
+        app = build_app(self.fleet, self.tokenizer, self.config, self.preprocessor)
         app.add_middleware(DrainGate, admission=self.admission)
+        app.add_middleware(BodyLimit, limit=self.config.serve.max_request_bytes)
         return app
 
     async def check_health(self) -> None:
@@ -224,6 +229,7 @@ class OpenAIIngress:
         log.info("draining: %d API requests open, %gs for them to finish", self.admission.open, timeout_s)
         report = await asyncio.to_thread(self.fleet.drain, timeout_s)
         flushed = await self.admission.wait_idle(RESPONSE_FLUSH_S)
+        self.preprocessor.shutdown()
         result = {"finished": report.finished, "aborted": report.aborted,
                   "seconds": round(time.monotonic() - started, 2), "flushed": flushed}
         log.info("drained: %s", result)

@@ -16,6 +16,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from worker.tokenizer_bounds import max_bytes_per_token
+
 __all__ = ["ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "IncrementalDecoder", "Tokenizer", "load_tokenizer"]
 
 DEFAULT_CHAT_TEMPLATE = """{%- for message in messages %}
@@ -236,6 +238,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids (base vocabulary plus added tokens)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """Most UTF-8 bytes of text one token can stand for (None: unbounded); see :mod:`worker.tokenizer_bounds`."""
+        return max_bytes_per_token(self._backend.to_str())
 
     def token_to_id(self, token: str) -> int | None:
         """Id of ``token`` (None if unknown)."""

@@ -34,6 +34,11 @@ class ServeConfig(Section):
         replica shutdown) new requests get 503 and those in flight may run this long before they end
         with finish_reason "abort" (>= 0). Serve's ``graceful_shutdown_timeout_s`` and the pods'
         termination grace period follow it (:func:`deploy.serve_app.shutdown_options`, the chart).
+    max_request_bytes: a request body over this many bytes gets 413 before any of it is read or parsed
+        (>= 1024; default 16 MiB).
+    preprocess_workers: processes that turn request bodies into admitted prompts (parse the JSON, render
+        the chat template, tokenize) so none of it holds the replica's GIL (1..64;
+        :class:`deploy.preprocess.Preprocessor`).
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +49,8 @@ class ServeConfig(Section):
     gil_switch_interval_ms: float | None = None
     stream_batching_interval_ms: float = 50.0
     drain_timeout_s: float = 30.0
+    max_request_bytes: int = 16 * 1024 * 1024
+    preprocess_workers: int = 2
 
     def __post_init__(self) -> None:
         check(bool(self.host), "host", "must not be empty")
@@ -57,6 +64,10 @@ class ServeConfig(Section):
         check(0 <= b <= 1000, "stream_batching_interval_ms", f"must be in [0, 1000], got {b!r}")
         d = self.drain_timeout_s
         check(0 <= d <= 86400, "drain_timeout_s", f"must be in [0, 86400], got {d!r}")
+        m = self.max_request_bytes
+        check(m >= 1024, "max_request_bytes", f"must be >= 1024, got {m!r}")
+        w = self.preprocess_workers
+        check(1 <= w <= 64, "preprocess_workers", f"must be in 1..64, got {w!r}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,328 @@
+"""Request preprocessing: an API request's body becomes a :class:`PreparedRequest`, off the replica's loop.
+
+:func:`prepare` is the one path from body bytes to what the fleet is given: parse the JSON, validate
+the fields, check every bound that needs no tokenizer (choices, stop sequences, a text that cannot
+fit in ``max_model_len`` tokens), render the chat template, tokenize, admit each prompt
+(:class:`worker.admission.PromptLimits`) and build each prompt's :class:`SamplingParams`. Each
+problem is a 400 naming its field.
+
+Parsing a large JSON body, rendering a template and tokenizing all hold the GIL of the process they
+run in, for as long as the body is large: the replica, whose event loop answers ``/health`` and
+Serve's health check and whose fleet loop thread steps every group, runs none of it. A
+:class:`Preprocessor` runs :func:`prepare` in a pool of processes (``serve.preprocess_workers``),
+each holding the checkpoint's tokenizer (the pool worker's one piece of state, set when it starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import ValidationError
+
+from deploy import openai_protocol as p
+from deploy.errors import ApiError
+from worker.admission import PromptLimits, PromptTooLong
+from worker.request import RequestRejected
+from worker.sampling.params import SamplingParams, SamplingParamsError
+from worker.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+
+log = logging.getLogger("ray.serve").getChild("graphfleet")
+
+__all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "PreparedRequest", "Preprocessor",
+           "from_validation", "prepare"]
+
+#: Most choices one request may ask for: prompts times ``n``.
+MAX_CHOICES = 16
+#: Most stop sequences one request may give, and most characters in each (every generated token is
+#: matched against each of them).
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024
+
+ROUTES = {"completions": p.CompletionRequest, "chat": p.ChatCompletionRequest}
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready to submit: its validated fields (``prompt`` / ``messages`` emptied, the prompts
+    are in ``prompts``), each prompt's admitted token ids, and the SamplingParams of each choice
+    (``n`` per prompt, in order; the choices of a seeded request get seeds ``seed + k``)."""
+
+    request: p.CompletionRequest | p.ChatCompletionRequest
+    prompts: list[list[int]]
+    choices: list[tuple[int, SamplingParams]]  # (index into prompts, params)
+
+
+def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptLimits) -> PreparedRequest:
+    """The :class:`PreparedRequest` of body ``raw`` for ``route`` (``completions`` or ``chat``); raises
+    :class:`ApiError` (400) naming the first problem."""
+    req = _parse(raw, ROUTES[route], limits)
+    fields = _sampling_fields(req)
+    if route == "completions":
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if req.logprobs is not None and req.logprobs != 0:
+            raise ApiError(400, f"logprobs must be 0 or null (alternative tokens are not computed), "
+                                f"got {req.logprobs}", param="logprobs")
+        _check_choices(len(req.prompt) if isinstance(req.prompt, list) and req.prompt
+                       and not isinstance(req.prompt[0], int) else 1, req.n)
+        prompts = _completion_prompts(req.prompt, tokenizer, limits)
+        max_tokens, emptied = req.max_tokens, {"prompt": []}
+    else:
+        if req.top_logprobs:
+            raise ApiError(400, f"top_logprobs must be 0 or null (alternative tokens are not computed), "
+                                f"got {req.top_logprobs}", param="top_logprobs")
+        _check_choices(1, req.n)
+        prompts = [_chat_prompt(req.messages, tokenizer, limits)]
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        emptied = {"messages": []}
+    fields["max_tokens"] = max_tokens
+    choices = []
+    for i, ids in enumerate(prompts):
+        params = _sampling(fields, len(ids), limits.max_model_len)
+        for k in range(req.n):
+            # Choices of one seeded request must differ, yet stay reproducible.
+            seed = None if params.seed is None or req.n == 1 else (params.seed + k) % (1 << 64)
+            choices.append((i, params if seed is None else replace(params, seed=seed)))
+    return PreparedRequest(req.model_copy(update=emptied), prompts, choices)
+
+
+# ----- parsing -----
+
+def _parse(raw: bytes, model: type[p.BaseModel], limits: PromptLimits) -> Any:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    _check_prompt_lists(data.get("prompt"), limits)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation(e.errors()) from None
+
+
+def from_validation(errors: Sequence[dict]) -> ApiError:
+    """The first pydantic error as an ApiError naming the field (``messages.0.role``)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # Union members add their type name to the location (``prompt.list[int].0``); keep the field path.
+    loc = [x for x in loc if not _UNION_TAG.match(x)]
+    param = ".".join(loc) or None
+    got = first.get("input")
+    shown = "" if got is None or first.get("type") == "missing" else f" (got {json.dumps(got, default=str)[:80]})"
+    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}{shown}", param=param)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
+# ----- bounds checked before any tokenizing -----
+
+def _check_prompt_lists(prompt: Any, limits: PromptLimits) -> None:
+    """Refuse, before validating them item by item, prompt lists too long to be admitted: more prompts than
+    choices, or more token ids than ``max_model_len``."""
+    if not isinstance(prompt, list) or not prompt:
+        return
+    if not isinstance(prompt[0], (str, list)):  # token ids (validation names a wrong type)
+        if len(prompt) >= limits.max_model_len:
+            raise _rejected(PromptTooLong(len(prompt), limits.max_model_len), "prompt")
+        return
+    _check_choices(len(prompt), 1)
+    for i, ids in enumerate(prompt):
+        if isinstance(ids, list) and len(ids) >= limits.max_model_len:
+            raise _rejected(PromptTooLong(len(ids), limits.max_model_len), f"prompt[{i}]")
+
+
+def _check_choices(num_prompts: int, n: int) -> None:
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in 1..{MAX_CHOICES}, got {n}", param="n")
+    if num_prompts * n > MAX_CHOICES:
+        raise ApiError(400, f"{num_prompts} prompts x n={n} asks for {num_prompts * n} choices; at most "
+                            f"{MAX_CHOICES}", param="n")
+
+
+def _check_text_fits(text: str, tokenizer: Tokenizer, limits: PromptLimits, param: str) -> None:
+    """Refuse a text that cannot fit before tokenizing it: no token stands for more than
+    ``tokenizer.max_bytes_per_token`` bytes, so ``max_model_len`` tokens hold at most that many times."""
+    per_token = tokenizer.max_bytes_per_token
+    if per_token is None or len(text) * 4 <= limits.max_model_len * per_token:  # 4: most bytes a char takes
+        return
+    size, most = len(text.encode("utf-8", "surrogatepass")), limits.max_model_len * per_token
+    if size > most:
+        raise ApiError(400, f"{param}: the text is {size} bytes; no token of this model stands for more than "
+                            f"{per_token} bytes, so at most {most} bytes fit in max_model_len={limits.max_model_len} "
+                            "tokens", param=param, code="context_length_exceeded")
+
+
+def _sampling_fields(req: p._SamplingFields) -> dict:
+    """SamplingParams fields of ``req`` but ``max_tokens`` (filled per prompt)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise ApiError(400, f"{name} is not supported (must be 0 or null)", param=name)
+    logprobs = req.logprobs if isinstance(req, p.ChatCompletionRequest) else req.logprobs is not None
+    fields: dict[str, Any] = {"ignore_eos": req.ignore_eos, "logprobs": logprobs}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    if req.stop is not None:
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise ApiError(400, f"stop has {len(stop)} sequences; at most {MAX_STOP_SEQUENCES}", param="stop")
+        for i, s in enumerate(stop):
+            if len(s) > MAX_STOP_CHARS:
+                raise ApiError(400, f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS}", param="stop")
+        fields["stop"] = stop
+    return fields
+
+
+# ----- prompts -----
+
+def _rejected(e: RequestRejected, param: str) -> ApiError:
+    """The 400 of a request the fleet would refuse, naming the field ``param``."""
+    code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
+    return ApiError(400, f"{param}: {e}", param=param, code=code)
+
+
+def _admitted(ids: list[int], limits: PromptLimits, param: str) -> list[int]:
+    try:
+        limits.check(ids)
+    except RequestRejected as e:
+        raise _rejected(e, param) from None
+    return ids
+
+
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer | None, limits: PromptLimits) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [_admitted(list(prompt), limits, "prompt")]
+    if tokenizer is None and any(isinstance(x, str) for x in prompt):
+        raise ApiError(400, "this model has no tokenizer: send prompt as token ids", param="prompt")
+    for i, x in enumerate(prompt):
+        if not x:
+            raise ApiError(400, f"prompt[{i}] is empty", param="prompt")
+        if isinstance(x, str):
+            _check_text_fits(x, tokenizer, limits, f"prompt[{i}]")
+    return [_admitted(tokenizer.encode(x) if isinstance(x, str) else list(x), limits, f"prompt[{i}]")
+            for i, x in enumerate(prompt)]
+
+
+def _chat_prompt(messages: list[p.ChatMessage], tokenizer: Tokenizer | None, limits: PromptLimits) -> list[int]:
+    if not messages:
+        raise ApiError(400, "messages is empty: give at least one message", param="messages")
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer, so no chat template: use /v1/completions",
+                       param="messages")
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+    except (ChatTemplateError, TypeError) as e:
+        raise ApiError(400, f"messages: the chat template rejected the conversation: {e}",
+                       param="messages") from None
+    _check_text_fits(text, tokenizer, limits, "messages")
+    # The rendered template already holds the special tokens (BOS), as in vLLM.
+    return _admitted(tokenizer.encode(text, add_special_tokens=False), limits, "messages")
+
+
+def _sampling(fields: dict, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The request's SamplingParams for one admitted prompt (so at least one token fits after it)."""
+    room = max_model_len - prompt_len
+    fields = dict(fields)
+    if fields["max_tokens"] is None:
+        fields["max_tokens"] = room
+    try:
+        params = SamplingParams(**fields)
+    except SamplingParamsError as e:
+        raise ApiError(400, str(e), param=str(e).split(" ", 1)[0].split("[", 1)[0]) from None
+    if params.max_tokens > room:
+        raise ApiError(400, f"max_tokens is {params.max_tokens}, but the prompt has {prompt_len} tokens and this "
+                            f"model's maximum context length is {max_model_len}: at most {room} can be generated",
+                       param="max_tokens", code="context_length_exceeded")
+    return params
+
+
+# ----- the pool -----
+
+_worker_tokenizer: Tokenizer | None = None  # a pool worker's tokenizer, loaded once when it starts
+
+
+def _start_worker(model_path: str, parent_pid: int) -> None:
+    global _worker_tokenizer
+    # A pool worker outlives a SIGKILLed replica (it holds its queue's write end too): end with it.
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="preprocess-parent-watch",
+                     daemon=True).start()
+    _worker_tokenizer = load_tokenizer(model_path)
+    if _worker_tokenizer is not None:
+        _ = _worker_tokenizer.max_bytes_per_token  # read the vocabulary once, before the first request
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _prepare_in_worker(route: str, raw: bytes, limits: PromptLimits) -> PreparedRequest | ApiError:
+    try:
+        return prepare(route, raw, _worker_tokenizer, limits)
+    except ApiError as e:
+        return e
+
+
+def _ready() -> bool:
+    return True
+
+
+class Preprocessor:
+    """Runs :func:`prepare` in ``workers`` processes (spawned, each loading the tokenizer of checkpoint
+    ``model_path`` once), so the replica's process spends on a request only the body's bytes.
+
+    A request whose worker dies (killed, out of memory) gets a 500 naming it; the pool is replaced,
+    and later requests go on. :meth:`shutdown` ends the workers.
+    """
+
+    def __init__(self, model_path: str, workers: int) -> None:
+        self._model_path, self._workers = str(model_path), workers
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(self._model_path, os.getpid()))
+        for _ in range(self._workers):  # start them now, not on the first requests
+            pool.submit(_ready)
+        return pool
+
+    async def prepare(self, route: str, raw: bytes, limits: PromptLimits) -> PreparedRequest:
+        """:func:`prepare` of ``raw`` in a worker; raises its :class:`ApiError`."""
+        pool = self._pool
+        try:
+            result = await asyncio.wrap_future(pool.submit(_prepare_in_worker, route, raw, limits))
+        except BrokenProcessPool:
+            if self._pool is pool:
+                log.error("a request preprocessing process died; starting a new pool")
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool()
+            raise ApiError(500, "internal error: the process preparing this request died (its body may be too "
+                                "large to parse in memory); retry", "internal_error") from None
+        if isinstance(result, ApiError):
+            raise result
+        return result
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,185 @@
+"""Request preprocessing (deploy/preprocess.py) without Serve: the bounds checked before tokenizing, the
+tokenizer's bytes-per-token bound, and the pool of processes that runs it (a worker killed mid-request)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from deploy.errors import ApiError
+from deploy.preprocess import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, Preprocessor, prepare
+from worker.admission import PromptLimits
+from worker.tokenizer import Tokenizer
+from worker.tokenizer_bounds import max_bytes_per_token
+
+PRESETS = ["tiny-llama", "tiny-llama2", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(checkpoint_dir):
+    return {name: Tokenizer.from_dir(checkpoint_dir(name)) for name in PRESETS}
+
+
+def _texts(tok: Tokenizer, rng: random.Random) -> list[str]:
+    """Texts that stress the bound: long words, spaces, special tokens, composing and wide characters."""
+    vocab = [t for t in (tok.id_to_token(i) for i in range(tok.vocab_size)) if t]
+    pieces = ["the", " ", "  ", "\n", "x" * 300, "é", "e\u0301", "\u1100\u1161\u11a8", "\U0001d400", "Ｈ", "\u212a",
+              "🙂", "\t", "0123456789", tok.bos_token or "", tok.eos_token or "", *rng.sample(vocab, 50)]
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 400))) for _ in range(60)]
+
+
+def test_no_token_stands_for_more_bytes_than_the_bound(tokenizers):
+    rng = random.Random(0)
+    for name, tok in tokenizers.items():
+        per_token = tok.max_bytes_per_token
+        assert per_token is not None and per_token >= 4, name
+        for text in _texts(tok, rng):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert len(text.encode()) <= per_token * len(ids), (name, text[:80], len(ids))
+
+
+def _spec(model, normalizer=None, pre_tokenizer=None) -> str:
+    tok = BackendTokenizer(model)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def test_the_bound_is_none_wherever_text_can_vanish():
+    bpe = models.BPE(vocab={"a": 0, "b": 1, "ab": 2, "?": 3}, merges=[("a", "b")], unk_token="?")
+    assert max_bytes_per_token(_spec(bpe)) == 4  # an unknown character (<= 4 bytes) per unknown token
+    assert max_bytes_per_token(_spec(bpe, normalizers.NFKC())) == 16
+    assert max_bytes_per_token(_spec(bpe, normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()]))) == 48
+    fused = models.BPE(vocab={"a": 0, "<unk>": 1}, merges=[], unk_token="<unk>", fuse_unk=True)
+    assert max_bytes_per_token(_spec(fused)) is None  # a run of unknowns is one token
+    assert max_bytes_per_token(_spec(bpe, normalizers.Strip())) is None
+    assert max_bytes_per_token(_spec(bpe, normalizers.Replace(" ", ""))) is None
+    assert max_bytes_per_token(_spec(bpe, pre_tokenizer=pre_tokenizers.Whitespace())) is None
+    assert max_bytes_per_token(_spec(bpe, pre_tokenizer=pre_tokenizers.Split(" ", behavior="removed"))) is None
+    assert max_bytes_per_token(_spec(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))) is None
+    truncating = BackendTokenizer.from_str(_spec(bpe))
+    truncating.enable_truncation(8)
+    assert max_bytes_per_token(truncating.to_str()) is None
+
+
+# ----- prepare: every bound before tokenizing, one 400 naming the field each -----
+
+@pytest.fixture(scope="module")
+def llama(tokenizers):
+    return tokenizers["tiny-llama"]
+
+
+LIMITS = PromptLimits(vocab_size=4096, max_model_len=256)
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "tiny", **fields}).encode()
+
+
+def _refused(route: str, raw: bytes, tok, limits=LIMITS) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        prepare(route, raw, tok, limits)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_prepare_expands_choices_and_seeds(llama):
+    prepared = prepare("completions", _body(prompt=["a b", "c"], n=3, seed=7, max_tokens=4), llama, LIMITS)
+    assert prepared.request.prompt == [] and prepared.prompts == [llama.encode("a b"), llama.encode("c")]
+    assert [i for i, _ in prepared.choices] == [0, 0, 0, 1, 1, 1]
+    assert [params.seed for _, params in prepared.choices] == [7, 8, 9, 7, 8, 9]
+    chat = prepare("chat", _body(messages=[{"role": "user", "content": "hi"}]), llama, LIMITS)
+    assert chat.request.messages == [] and chat.choices[0][1].max_tokens == 256 - len(chat.prompts[0])
+
+
+def test_a_text_that_cannot_fit_is_refused_without_tokenizing(llama):
+    per_token = llama.max_bytes_per_token
+    word = "x" * (LIMITS.max_model_len * per_token + 1)
+    started = time.perf_counter()
+    e = _refused("completions", _body(prompt=word * 200), llama)  # 200x over: tokenizing it would take seconds
+    assert time.perf_counter() - started < 0.5
+    assert e.param == "prompt[0]" and e.code == "context_length_exceeded"
+    assert f"no token of this model stands for more than {per_token} bytes" in e.message
+    assert "max_model_len=256" in e.message
+    e = _refused("chat", _body(messages=[{"role": "user", "content": word}]), llama)
+    assert e.param == "messages" and e.code == "context_length_exceeded"
+    fits = "x " * 40  # well under the bound, and few tokens
+    assert prepare("completions", _body(prompt=fits), llama, LIMITS).prompts[0] == llama.encode(fits)
+
+
+@pytest.mark.parametrize("fields, param, needle", [
+    ({"prompt": ["a"] * (MAX_CHOICES + 1)}, "n", f"{MAX_CHOICES + 1} choices; at most {MAX_CHOICES}"),
+    ({"prompt": "a", "n": MAX_CHOICES + 1}, "n", f"n must be in 1..{MAX_CHOICES}"),
+    ({"prompt": "a", "stop": ["s"] * (MAX_STOP_SEQUENCES + 1)}, "stop", f"at most {MAX_STOP_SEQUENCES}"),
+    ({"prompt": "a", "stop": "s" * (MAX_STOP_CHARS + 1)}, "stop", f"at most {MAX_STOP_CHARS}"),
+    ({"prompt": "a", "max_tokens": 300}, "max_tokens", "at most"),
+    ({"prompt": [1, 2, 5000]}, "prompt", "outside the vocabulary"),
+    ({"prompt": list(range(1, 257))}, "prompt", "max_model_len is 256"),
+    ({"prompt": "a", "presence_penalty": 1.0}, "presence_penalty", "not supported"),
+    ({"prompt": 5}, "prompt", "Input should be"),
+])
+def test_each_bound_is_a_400_naming_its_field(llama, fields, param, needle):
+    e = _refused("completions", _body(**fields), llama)
+    assert e.param == param and needle in e.message, e.message
+
+
+def test_malformed_bodies(llama):
+    assert _refused("completions", b"{not json", llama).code == "invalid_json"
+    assert "must be a JSON object" in _refused("chat", b"[1, 2]", llama).message
+
+
+# ----- the pool -----
+
+def _pool_pids(parent: int) -> list[int]:
+    """The pool workers (multiprocessing's spawned children) of process ``parent``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    spawned = b"spawn_main" in f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and spawned:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_pool_answers_and_a_killed_worker_costs_only_its_request(checkpoint_dir, llama):
+    import asyncio
+
+    pool = Preprocessor(str(checkpoint_dir("tiny-llama")), workers=1)
+    try:
+        async def scenario():
+            ok = await pool.prepare("completions", _body(prompt="a b c"), LIMITS)
+            assert ok.prompts == [llama.encode("a b c")]
+            with pytest.raises(ApiError) as e:
+                await pool.prepare("completions", _body(prompt="a", n=99), LIMITS)
+            assert e.value.status == 400 and e.value.param == "n"  # an ApiError crosses the process boundary
+            # A body that takes the worker a while (a 12 MB list of ids), killed while it parses.
+            slow = asyncio.ensure_future(pool.prepare("completions", _body(prompt=[1] * 4_000_000), LIMITS))
+            await asyncio.sleep(0.1)
+            (worker,) = _pool_pids(os.getpid())
+            os.kill(worker, signal.SIGKILL)
+            with pytest.raises(ApiError) as e:
+                await slow
+            assert e.value.status == 500 and "died" in e.value.message
+            again = await pool.prepare("completions", _body(prompt="a b c"), LIMITS)  # a new pool serves
+            assert again.prompts == ok.prompts
+
+        asyncio.run(scenario())
+    finally:
+        pool.shutdown()
