@@ -16,6 +16,24 @@ OVERRIDES = ["model.device=cpu", "graphs.debug=true", "cache.num_pages=128", "sc
              "graphs.decode.max_batch_size=8", "cluster.step_timeout_s=60", "cluster.start_timeout_s=120"]
 
 
+def start_local_serve(args: dict, app_name: str, num_cpus: int = 16) -> str:
+    """Start a local Ray (127.0.0.1) and Serve on a free port, run the app of ``app_builder(args)`` at "/",
+    wait until it is healthy; its base URL. The caller ends it with ``serve.shutdown(); ray.shutdown()``."""
+    import ray
+    from ray import serve
+
+    from deploy.serve_app import app_builder
+
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app_builder(args), name=app_name, route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base)
+    return base
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -31,8 +31,7 @@ import pytest
 import ray
 from ray import serve
 
-from deploy.serve_app import app_builder
-from tests.serve_harness import OVERRIDES, free_port, wait_healthy
+from tests.serve_harness import OVERRIDES, start_local_serve
 from tests.serve_harness import http as _http
 
 STREAMS = 16
@@ -49,15 +48,8 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 @pytest.fixture(scope="module")
 def base(checkpoint_dir):
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=16, include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = app_builder({"model": str(checkpoint_dir("tiny-llama")), "overrides": APP_OVERRIDES, "model_name": "tiny",
-                       "fleet": {"name": "lim"}})
-    serve.run(app, name="graphfleet-lim", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
+    url = start_local_serve({"model": str(checkpoint_dir("tiny-llama")), "overrides": APP_OVERRIDES,
+                             "model_name": "tiny", "fleet": {"name": "lim"}}, "graphfleet-lim")
     yield url
     serve.shutdown()
     ray.shutdown()

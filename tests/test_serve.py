@@ -17,7 +17,7 @@ from ray import serve
 
 from deploy.config import load_config
 from deploy.serve_app import app_builder
-from tests.serve_harness import OVERRIDES, free_port, scrape, total, wait_healthy
+from tests.serve_harness import OVERRIDES, scrape, start_local_serve, total, wait_healthy
 from tests.serve_harness import http as _http
 from worker.engine import Engine
 from worker.sampling.params import SamplingParams
@@ -38,15 +38,8 @@ def path(checkpoint_dir):
 @pytest.fixture(scope="module")
 def server(path):
     """Base URL of a running app (colocated fleet, API key required)."""
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=16, include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = app_builder({"model": str(path), "overrides": OVERRIDES, "api_key": API_KEY, "model_name": "tiny",
-                       "fleet": {"name": "srv"}})
-    serve.run(app, name="graphfleet", route_prefix="/", blocking=False)
-    wait_healthy(f"http://127.0.0.1:{port}")
-    yield f"http://127.0.0.1:{port}"
+    yield start_local_serve({"model": str(path), "overrides": OVERRIDES, "api_key": API_KEY, "model_name": "tiny",
+                             "fleet": {"name": "srv"}}, "graphfleet")
     serve.shutdown()
     ray.shutdown()
 
