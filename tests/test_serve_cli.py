@@ -275,15 +275,17 @@ def test_a_drain_timeout_shorter_than_the_streams_aborts_them_with_an_error_and_
 def test_graphfleet_drain_drains_a_running_app_as_the_charts_prestop_does(serve, tmp_path):
     """``graphfleet drain`` (the head pod's preStop) reaches the replica through Ray: the stream open
     finishes, the app then refuses requests, and the serve process still exits 0 on SIGTERM."""
-    s = serve()
+    # The stream must still be open when the drain (a process that imports Ray and joins the cluster
+    # first, seconds on 2 cores) reaches the replica, and finish within the drain timeout.
+    s = serve("serve.drain_timeout_s=90")
     s.wait_ready()
     gcs = re.search(r"started a local Ray \(GCS ([0-9.]+:\d+)\)", s.output()).group(1)
-    stream = Stream(s.port, {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}).start()
+    stream = Stream(s.port, {"prompt": "Hello", "max_tokens": 600, "ignore_eos": True}).start()
     _first_chunks([stream])
     # The local Ray uses token authentication; Ray sends the token to an address given explicitly only when
     # told to (as a pod of a cluster with authOptions is).
-    drain = subprocess.run([sys.executable, "-m", "deploy.cli", "drain", "--ray-address", gcs, "--wait-s", "120"],
-                           capture_output=True, text=True, env=_env(RAY_AUTH_MODE="token"), cwd=REPO, timeout=180)
+    drain = subprocess.run([sys.executable, "-m", "deploy.cli", "drain", "--ray-address", gcs, "--wait-s", "150"],
+                           capture_output=True, text=True, env=_env(RAY_AUTH_MODE="token"), cwd=REPO, timeout=200)
     assert drain.returncode == 0, drain.stdout + drain.stderr
     report = json.loads(drain.stdout.strip().splitlines()[-1])
     assert (report["finished"], report["aborted"], report["flushed"]) == (1, 0, True), report
@@ -293,7 +295,7 @@ def test_graphfleet_drain_drains_a_running_app_as_the_charts_prestop_does(serve,
     assert status == 503 and headers.get("retry-after") == "1" and body["error"]["code"] == "draining", body
     status, body, _ = http("GET", f"{s.base}/health")
     assert status == 503 and body["status"] == "stopped", body
-    elapsed, ours = _sigterm_and_wait(s, 30 + 10)
+    elapsed, ours = _sigterm_and_wait(s, 90 + 10)
     assert s.proc.returncode == 0, s.output()[-4000:]
     _assert_ray_gone(ours)
 
