@@ -24,7 +24,7 @@ from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.metrics_merge import merge_expositions
-from deploy.preprocess import PreparedRequest, Preprocessor, from_validation
+from deploy.preprocess import PreparedRequest, Preprocessor, from_validation, rejected
 from deploy.streaming import (
     Job,
     StreamSettings,
@@ -35,7 +35,6 @@ from deploy.streaming import (
     completion_stream,
     sse_response,
 )
-from worker.admission import PromptTooLong
 from worker.request import RequestRejected
 
 log = logging.getLogger(__name__)
@@ -164,15 +163,14 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
     async def completions(request: Request) -> Response:
         prepared = await accept(request, "completions")
         req = prepared.request
-        want_logprobs = req.logprobs is not None
         jobs = _submit(fleet, prepared, "prompt", serve_cfg.request_timeout_s, metrics)
         rid, t0 = p.new_id("cmpl"), p.now()
         if req.stream:
             return sse_response(completion_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
-                                                  want_logprobs))
+                                                  prepared.logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
-                                      logprobs=completion_logprobs(tokenizer, o) if want_logprobs else None)
+                                      logprobs=completion_logprobs(tokenizer, o) if prepared.logprobs else None)
                    for j, o in zip(jobs, outs)]
         return JSONResponse(p.CompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                  usage=_usage(jobs, outs)).model_dump())
@@ -185,12 +183,12 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         rid, t0 = p.new_id("chatcmpl"), p.now()
         if req.stream:
             return sse_response(chat_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
-                                            req.logprobs))
+                                            prepared.logprobs))
         outs = await _results(jobs, metrics)
+        spelled = [chat_logprobs(tokenizer, o.token_ids, o.logprobs) if prepared.logprobs else None for o in outs]
         choices = [p.ChatChoice(index=j.index, message=p.ChatResponseMessage(content=o.text),
-                                finish_reason=o.finish_reason,
-                                logprobs=chat_logprobs(tokenizer, o.token_ids, o.logprobs) if req.logprobs else None)
-                   for j, o in zip(jobs, outs)]
+                                finish_reason=o.finish_reason, logprobs=lp)
+                   for j, o, lp in zip(jobs, outs, spelled)]
         return JSONResponse(p.ChatCompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                      usage=_usage(jobs, outs)).model_dump())
 
@@ -212,8 +210,7 @@ def _submit(fleet, prepared: PreparedRequest, param: str, timeout_s: float | Non
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RequestRejected as e:
         abort_unfinished(jobs)
-        code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
-        raise ApiError(400, f"{param}: {e}", param=param, code=code) from None
+        raise rejected(e, param) from None
     except FleetClosed as e:  # FleetDraining too: a request that passed the drain gate just before it closed
         abort_unfinished(jobs)
         raise ApiError(503, f"the server is shutting down: {e}", "service_unavailable", code="draining",

@@ -41,7 +41,7 @@ from worker.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 log = logging.getLogger("ray.serve").getChild("graphfleet")
 
 __all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "PreparedRequest", "Preprocessor",
-           "from_validation", "prepare"]
+           "from_validation", "prepare", "rejected"]
 
 #: Most choices one request may ask for: prompts times ``n``.
 MAX_CHOICES = 16
@@ -63,6 +63,11 @@ class PreparedRequest:
     prompts: list[list[int]]
     choices: list[tuple[int, SamplingParams]]  # (index into prompts, params)
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the choices return the chosen tokens' log-probabilities (all or none do)."""
+        return self.choices[0][1].logprobs
+
 
 def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptLimits) -> PreparedRequest:
     """The :class:`PreparedRequest` of body ``raw`` for ``route`` (``completions`` or ``chat``); raises
@@ -75,8 +80,7 @@ def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptL
         if req.logprobs is not None and req.logprobs != 0:
             raise ApiError(400, f"logprobs must be 0 or null (alternative tokens are not computed), "
                                 f"got {req.logprobs}", param="logprobs")
-        _check_choices(len(req.prompt) if isinstance(req.prompt, list) and req.prompt
-                       and not isinstance(req.prompt[0], int) else 1, req.n)
+        _check_choices(_num_prompts(req.prompt), req.n)
         prompts = _completion_prompts(req.prompt, tokenizer, limits)
         max_tokens, emptied = req.max_tokens, {"prompt": []}
     else:
@@ -137,14 +141,19 @@ def _check_prompt_lists(prompt: Any, limits: PromptLimits) -> None:
     choices, or more token ids than ``max_model_len``."""
     if not isinstance(prompt, list) or not prompt:
         return
-    if not isinstance(prompt[0], (str, list)):  # token ids (validation names a wrong type)
+    if not isinstance(prompt[0], (str, list)):  # one prompt of token ids (validation names a wrong type)
         if len(prompt) >= limits.max_model_len:
-            raise _rejected(PromptTooLong(len(prompt), limits.max_model_len), "prompt")
+            raise rejected(PromptTooLong(len(prompt), limits.max_model_len), "prompt")
         return
     _check_choices(len(prompt), 1)
     for i, ids in enumerate(prompt):
         if isinstance(ids, list) and len(ids) >= limits.max_model_len:
-            raise _rejected(PromptTooLong(len(ids), limits.max_model_len), f"prompt[{i}]")
+            raise rejected(PromptTooLong(len(ids), limits.max_model_len), f"prompt[{i}]")
+
+
+def _num_prompts(prompt: Any) -> int:
+    """How many prompts ``prompt`` holds: a string or a list of token ids is one, a list of either is many."""
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
 
 
 def _check_choices(num_prompts: int, n: int) -> None:
@@ -191,7 +200,7 @@ def _sampling_fields(req: p._SamplingFields) -> dict:
 
 # ----- prompts -----
 
-def _rejected(e: RequestRejected, param: str) -> ApiError:
+def rejected(e: RequestRejected, param: str) -> ApiError:
     """The 400 of a request the fleet would refuse, naming the field ``param``."""
     code = "context_length_exceeded" if isinstance(e, PromptTooLong) else None
     return ApiError(400, f"{param}: {e}", param=param, code=code)
@@ -201,7 +210,7 @@ def _admitted(ids: list[int], limits: PromptLimits, param: str) -> list[int]:
     try:
         limits.check(ids)
     except RequestRejected as e:
-        raise _rejected(e, param) from None
+        raise rejected(e, param) from None
     return ids
 
 
