@@ -1,16 +1,13 @@
-"""Decode step time through a Ray actor group (TP=1) against the same engine in-process.
+"""Decode step of a fleet group's engine (run beside its leader rank) against the same engine in-process.
 
-Both run the same config (full decode graphs on a GPU) side by side in one run; the ratio is
-what the actor hop costs. Two ways to drive the group are measured: a Ray Compiled Graph
-(``cluster.compiled_graph=true``, the default: shared-memory channels) and a Ray task per rank
-per step (an object-store put of the message and a ray.get of the tokens). Without a GPU it runs
-the same comparison on the CPU (graphs off) with ``--preset tiny-llama``: the hop cost is host work.
-``async_compiled_ms`` is the compiled graph with ``scheduler.async_scheduling`` (step N+1 sent
-before step N is read back: the hop overlaps the rank's compute).
-Each step is split into the rank's own ``Worker.execute`` and the hop around it; ``bare_channel_ms``
-is Ray's channel alone for that hop: the same message to an actor that only spins as long as the
-rank took (the reader's wake-up grows with the wait: 51 us at 0 ms, 329 us at 10 ms on the 2-core
-CPU machine).
+Both run the same config (full decode graphs on a GPU) side by side in one run. For each batch
+the fleet side is a colocated fleet of one group (TP=1, the default config) with ``batch``
+streams decoding: ``leader_step_ms`` is the median engine step on the leader (from its own step
+stats: scheduling, the step, sampling read-back and detokenization, as in-process), and
+``delivered_step_ms`` is what the fleet's clients see: ``batch`` over the tokens per second that
+reach their request handles in a window of steady decoding (the fleet loop, the reports and the
+event delivery included). Without a GPU it runs the same comparison on the CPU (graphs off) with
+``--preset tiny-llama``.
 """
 
 from __future__ import annotations
@@ -26,49 +23,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import decode_step_breakdown, environment, print_table, wall_times, write_results  # noqa: E402
+from bench.common import decode_step_breakdown, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from cluster.group import WorkerGroup  # noqa: E402
+from cluster.fleet import Fleet  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
-from worker.step_message import StepMessage, StepResult  # noqa: E402
 
 
-@ray.remote(num_cpus=1)
-class _Echo:
-    """A rank that only spins for ``work_s`` (as a rank waits on its device): what the
-    compiled-graph channel alone costs a step that long."""
+def _leader_steps(actor, batch: int, since: int) -> list[float]:
+    def steps(a):
+        return [(s.phase, s.batch_size, s.duration_s) for s in list(a.host.engine.step_stats)]
 
-    def __init__(self, work_s: float) -> None:
-        self.work_s = work_s
-
-    def execute(self, msg: StepMessage) -> StepResult:
-        end = time.perf_counter() + self.work_s
-        while time.perf_counter() < end:
-            pass
-        return StepResult([0] * len(msg.logits_rows))
+    stats = ray.get(actor.__ray_call__.remote(steps), timeout=60)
+    return [d for phase, b, d in stats[since:] if phase == "decode" and b == batch]
 
 
-def bare_channel_seconds(batch: int, context: int, work_s: float, repeats: int) -> float:
-    """Median round trip, less ``work_s``, of a decode-shaped StepMessage (``batch`` rows of
-    ``context`` tokens, one SamplingParams each) through a Ray Compiled Graph to an actor that
-    spins ``work_s`` and returns."""
-    from ray.dag import InputNode, MultiOutputNode
-
-    pages = context // 16 + 1
-    msg = StepMessage(False, list(range(batch)), [context] * batch, [context + 1] * batch, [1] * batch,
-                      [list(range(i * pages, (i + 1) * pages)) for i in range(batch)], list(range(batch)),
-                      [SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True) for _ in range(batch)],
-                      list(range(batch)), [1] * batch)
-    echo = _Echo.remote(work_s)
-    with InputNode() as inp:
-        dag = MultiOutputNode([echo.execute.bind(inp)]).experimental_compile()
+def fleet_decode(fleet: Fleet, batch: int, context: int, window_s: float, vocab: int) -> dict[str, float]:
+    """Steady decode of ``batch`` streams through ``fleet``: the leader's engine step and the
+    step that the tokens reaching the clients imply (seconds)."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    [member] = fleet.members
+    leader = member.group.rank_actors()[0]
+    handles = [fleet.submit(torch.randint(10, vocab, (context,), generator=g).tolist(), params)
+               for _ in range(batch)]
     try:
-        return statistics.median(wall_times(lambda: ray.get(dag.execute(msg)), repeats=repeats, warmup=20)) - work_s
+        end = time.monotonic() + 600
+        while min(len(h.token_times) for h in handles) < 8:
+            if time.monotonic() > end:
+                raise RuntimeError("the fleet's streams did not start decoding within 600 s")
+            time.sleep(0.05)
+        since = len(ray.get(leader.__ray_call__.remote(lambda a: list(a.host.engine.step_stats)), timeout=60))
+        t0 = time.monotonic()
+        time.sleep(window_s)
+        t1 = time.monotonic()
+        delivered = sum(sum(1 for t in h.token_times if t0 <= t < t1) for h in handles)
+        leader_steps = _leader_steps(leader, batch, since)
     finally:
-        dag.teardown()
-        ray.kill(echo)
+        for h in handles:
+            h.abort()
+    return {"leader_step_s": statistics.median(leader_steps), "delivered_step_s": batch * (t1 - t0) / delivered,
+            "leader_steps": len(leader_steps)}
 
 
 def main() -> None:
@@ -77,6 +73,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--window-s", type=float, default=3.0, help="steady-decoding window of the fleet side")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
@@ -88,42 +85,25 @@ def main() -> None:
                  f"cache.num_pages={max(batches) * (args.context // 16 + 16) + 64}"]
     cfg = load_config(None, overrides)
     local = Engine(cfg)
+    vocab = local.arch.vocab_size
     local_times = {b: decode_step_breakdown(local, b, args.context, args.repeats) for b in batches}
     local.shutdown()
     del local
     if cuda:
         torch.cuda.empty_cache()
     ray.init(_node_ip_address="127.0.0.1", num_gpus=torch.cuda.device_count(), include_dashboard=False)
-    actor_times = {}
-    for way, extra in (("compiled", ["cluster.compiled_graph=true", "scheduler.async_scheduling=false"]),
-                       ("tasks", ["cluster.compiled_graph=false", "scheduler.async_scheduling=false"]),
-                       ("async", ["cluster.compiled_graph=true", "scheduler.async_scheduling=true"])):
-        group_cfg = load_config(None, [*overrides, *extra])
-        group = WorkerGroup(group_cfg)
-        remote = Engine(group_cfg, executor=group)
-        actor_times[way] = {b: decode_step_breakdown(remote, b, args.context, args.repeats) for b in batches}
-        group.shutdown()
-    channel = {b: bare_channel_seconds(b, args.context, actor_times["compiled"][b]["rank_s"], max(args.repeats, 200))
-               for b in batches}
+    with Fleet.start(cfg, name="overhead", max_waiting_requests=max(batches) * 2) as fleet:
+        fleet_times = {b: fleet_decode(fleet, b, args.context, args.window_s, vocab) for b in batches}
     ray.shutdown()
     rows = []
     for b in batches:
-        loc, cg, tasks, pipe = (local_times[b], actor_times["compiled"][b], actor_times["tasks"][b],
-                                actor_times["async"][b])
+        loc, fl = local_times[b], fleet_times[b]
         rows.append({
             "preset": args.preset, "batch": b, "in_process_ms": loc["step_s"] * 1e3,
-            "compiled_graph_ms": cg["step_s"] * 1e3, "ray_tasks_ms": tasks["step_s"] * 1e3,
-            "async_compiled_ms": pipe["step_s"] * 1e3,
-            "compiled_over_in_process": cg["step_s"] / loc["step_s"],
-            "async_over_in_process": pipe["step_s"] / loc["step_s"],
-            "tasks_over_in_process": tasks["step_s"] / loc["step_s"],
-            # where the difference goes: the rank's own execute, and the hop around it
-            "rank_in_process_ms": loc["rank_s"] * 1e3, "rank_compiled_ms": cg["rank_s"] * 1e3,
-            "rank_async_ms": pipe["rank_s"] * 1e3,
-            "hop_compiled_ms": (cg["execute_s"] - cg["rank_s"]) * 1e3,
-            "hop_tasks_ms": (tasks["execute_s"] - tasks["rank_s"]) * 1e3,
-            # of which Ray's channel: the same message to an actor that spins as long as the rank took
-            "bare_channel_ms": channel[b] * 1e3})
+            "leader_step_ms": fl["leader_step_s"] * 1e3, "delivered_step_ms": fl["delivered_step_s"] * 1e3,
+            "leader_over_in_process": fl["leader_step_s"] / loc["step_s"],
+            "delivered_over_in_process": fl["delivered_step_s"] / loc["step_s"],
+            "leader_steps": fl["leader_steps"]})
     print_table(rows, list(rows[0]))
     print(f"wrote {write_results('actor_overhead', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 

@@ -32,8 +32,6 @@ class ClusterConfig(Section):
     restart: start a fresh group in the background when one dies.
     collectives_at_tp1: run the all-reduce even at tp_size 1 (a no-op on values) so one GPU can
         verify that NCCL collectives are captured inside graphs.
-    compiled_graph: drive each group's steps through a Ray Compiled Graph (shared-memory
-        channels, ~0.1 ms a step) instead of a Ray task per rank per step (~1-3 ms).
     num_prefill_groups, num_decode_groups: groups per role when mode is disaggregated (>= 1).
     prefill_tp_size, decode_tp_size: each role's tp degree; None = tp_size (equal for hand-off).
     kv_transport: how KV moves from prefill to decode ranks: "object_store" (anywhere), "cuda_ipc"
@@ -51,7 +49,6 @@ class ClusterConfig(Section):
     cpus_per_rank: float = 0.25
     restart: bool = True
     collectives_at_tp1: bool = False
-    compiled_graph: bool = True
     num_prefill_groups: int = 1
     num_decode_groups: int = 1
     prefill_tp_size: int | None = None

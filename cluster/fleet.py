@@ -5,10 +5,11 @@
 >>> for event in fleet.stream("Hello"): print(event.text, end="")            # doctest: +SKIP
 >>> fleet.shutdown()                                                          # doctest: +SKIP
 
-Each group is a :class:`cluster.fleet_group.FleetWorkerGroup` driven by its own
-:class:`worker.engine.Engine`; one background thread (:mod:`cluster.fleet_loop`) steps all the
-engines and routes requests (:mod:`cluster.router`). Client calls are thread-safe: they validate
-and enqueue in the caller's thread and read events from a per-request queue.
+Each group is a :class:`cluster.fleet_group.FleetWorkerGroup` whose leader rank runs the group's
+own :class:`worker.engine.Engine` (:mod:`cluster.engine_host`); one background thread
+(:mod:`cluster.fleet_loop`) routes requests (:mod:`cluster.router`) and moves them between groups,
+exchanging one command batch and one report per group per iteration at most. Client calls are
+thread-safe: they validate and enqueue in the caller's thread and read events from a per-request queue.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from cluster.rank import GroupState, GroupUnavailable, PlacementWait
 from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
 from cluster.router import Overloaded, Router
 from worker.admission import PromptLimits, encode_prompt
-from worker.engine import Engine
 from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams
@@ -68,7 +68,7 @@ class Fleet:
     """Disaggregated (or colocated) serving over Ray worker groups; build with :meth:`start`."""
 
     def __init__(self, config: GroupConfig, fleet_config: FleetConfig, members: list[FleetMember], transport,
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, max_model_len: int) -> None:
         self.config, self.fleet_config, self.members = config, fleet_config, members
         self.tokenizer = tokenizer
         self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
@@ -79,15 +79,18 @@ class Fleet:
         self._rng = random.Random(config.model.seed)
         self._closed = False
         self._draining = False
-        self._loop = FleetLoop(config.cluster, fleet_config, members, self.router, transport, self._done)
-        self.max_model_len = self._loop.max_model_len
-        self.prompt_limits = PromptLimits(members[0].engine.arch.vocab_size, self.max_model_len)
+        self._loop = FleetLoop(config.cluster, fleet_config, members, self.router, transport, self._done,
+                               max_model_len)
+        self.max_model_len = max_model_len
+        self.prompt_limits = PromptLimits(members[0].group.arch.vocab_size, self.max_model_len)
         self._stop = threading.Event()
         self._loop.publish(time.monotonic())
         self._thread = threading.Thread(target=self._run, name="graphfleet-loop", daemon=True)
         self._crash: str | None = None
         self._link = FleetLink(self._thread.is_alive, self._stopped_why, self.abort)
         self._thread.start()
+        for member in members:
+            member.client.start()
 
     # ----- lifecycle -----
 
@@ -103,7 +106,8 @@ class Fleet:
         phases included) and, about every second while a group waits for resources, its
         :class:`cluster.rank.PlacementWait` (else None), from the thread making them. ``tokenizer`` is
         the checkpoint's when the caller has loaded it already (the Serve replica's); None loads it
-        (if the checkpoint has one). The fleet and all its engines share it. Setting ``cancel`` ends
+        (if the checkpoint has one): the fleet encodes text prompts with it; each group's leader loads its
+        own to detokenize. Setting ``cancel`` ends
         the start (and, later, any group restart) at its next look (see :class:`cluster.group.WorkerGroup`).
 
         Raises ``ConfigError`` for bad options, ``KVTransportUnavailable`` for a transport this build
@@ -135,19 +139,17 @@ class Fleet:
                 decode = [groups[g] for g, r in layout if r == "decode"]
                 _check_kv_layouts(prefill, decode, config.cluster.start_timeout_s)
                 transport.check(prefill, decode, config.cluster.start_timeout_s)
-            members = [FleetMember(gid, role, groups[gid], Engine(configs[gid], executor=groups[gid],
-                                                                  tokenizer=tokenizer))
-                       for gid, role in layout]
             # Every engine stops sequences at the fleet's shortest limit, so where a request runs
             # (and where it moves after a failure) never changes where it ends.
-            max_len = min(s.engine.max_model_len for s in members)
-            for s in members:
-                s.engine.cap_max_model_len(max_len)
+            max_len = min(g.max_len for g in groups.values())
+            with ThreadPoolExecutor(len(layout), thread_name_prefix="fleet-engines") as pool:
+                list(pool.map(lambda g: g.host_engine(max_len), groups.values()))
+            members = [FleetMember(gid, role, groups[gid]) for gid, role in layout]
         except BaseException:
             _shutdown_groups(list(groups.values()))
             raise
         log.info("fleet %s ready: %s", fcfg.name, ", ".join(f"{gid} ({role})" for gid, role in layout))
-        return cls(config, fcfg, members, transport, tokenizer)
+        return cls(config, fcfg, members, transport, tokenizer, max_len)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """End every request with an error, stop the loop and shut every group down (idempotent)."""
@@ -155,6 +157,8 @@ class Fleet:
             self._closed = True
         self._stop.set()
         self._thread.join(timeout_s)
+        for member in self.members:
+            member.client.close()
         _shutdown_groups([s.group for s in self.members])
 
     def drain(self, timeout_s: float) -> DrainReport:

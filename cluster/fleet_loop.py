@@ -1,24 +1,29 @@
-"""The fleet's loop: the one thread that steps every group's engine and moves requests between them.
+"""The fleet's loop: the one thread that routes requests to the groups' engines and moves them between groups.
 
-Engines are not thread-safe, so everything that touches an engine, the router's queues or a
-:class:`FleetRequest` runs here; clients talk to the loop through a command queue and read
-events from per-request queues. One iteration:
+Every group runs its own engine loop on its leader rank (:mod:`cluster.engine_host`); this loop
+does routing, hand-offs and failure handling only. Everything that touches the router's queues
+or a :class:`FleetRequest` runs here; clients talk to the loop through a command queue and read
+events from per-request queues, and each group's receiver thread (:mod:`cluster.group_client`)
+puts that group's reports and failures on the same queue. One iteration:
 
-1. apply client commands (submit, abort);
-2. watch the groups: the requests of a disaggregated group that is no longer ready are moved
-   back to the router (their KV is gone with the group) and re-prefilled elsewhere, or where
-   their group restarts; requests that need a role whose every group is lost end with an error;
+1. apply what is queued: client commands (submit, abort), group reports (events, staged
+   hand-offs, admitted or refused hand-offs, load) and group failures;
+2. watch the groups: the requests of a group that is no longer ready (or whose generation is
+   new) are moved back to the router (their KV is gone with the group) and re-prefilled
+   elsewhere, or where their group restarts; requests that need a role whose every group is lost
+   end with an error;
 3. end requests past their deadline;
 4. dispatch queued requests to prefill (or colocated) groups, and prefilled requests' KV to
-   decode groups (the KV import blocks the loop for the transfer);
-5. step every ready engine that has work once, and deliver the events.
+   decode groups;
+5. send each group the commands of this iteration as one batch.
 
-A group that is not ready is never stepped (its executor would block waiting for the restart).
+The loop sleeps on its queue between iterations (until the next deadline, at most half a second).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -29,26 +34,29 @@ from collections.abc import Callable
 from cluster.config import ClusterConfig
 from cluster.fleet_config import FleetConfig
 from cluster.fleet_request import FleetRequest, Wakeups
+from cluster.group_client import GroupClient
+from cluster.group_messages import Abort, Admit, GroupReport, Prefilled
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from cluster.router import GroupLoad, Router
-from worker.engine import Engine
 from worker.outputs import FailureKind, RequestEvent
-from worker.request import Request, RequestRejected
 
 log = logging.getLogger(__name__)
 
 
 class FleetMember:
-    """One group of the fleet: its worker group, its engine and its role."""
+    """One group of the fleet: its worker group, the client of its engine, and the requests placed on it."""
 
-    def __init__(self, group_id: str, role: str, group, engine: Engine) -> None:
-        self.group_id, self.role, self.group, self.engine = group_id, role, group, engine
+    def __init__(self, group_id: str, role: str, group) -> None:
+        self.group_id, self.role, self.group = group_id, role, group
+        self.client: GroupClient | None = None  # set by the loop that owns it
+        self.assigned: dict[str, FleetRequest] = {}  # engine id -> request placed on the engine
         self.dead_since: float | None = None
 
     @property
     def ready(self) -> bool:
-        return self.group.state is GroupState.READY
+        """Ready, and the loop has taken its current generation on."""
+        return self.group.state is GroupState.READY and self.client.generation == self.group.generation
 
     def observe(self, now: float) -> None:
         self.dead_since = (self.dead_since or now) if self.group.state is GroupState.DEAD else None
@@ -70,33 +78,28 @@ class FleetMember:
             return state.value  # first start: starting | capturing
         return "degraded"  # dead or restarting after a failure
 
-    def unfinished(self) -> list[Request]:
-        s = self.engine.scheduler
-        return sorted(list(s.running) + list(s.waiting), key=lambda r: r.arrival)
-
-    def load(self) -> GroupLoad:
-        e = self.engine
-        reqs = self.unfinished()
-        prefill = sum(r.num_tokens - r.num_computed for r in reqs if r.prefilling)
-        decode = sum(max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens))
-                     for r in reqs) if self.role != "prefill" else 0
-        return GroupLoad(self.group_id, self.role, self.ready, e.num_free_pages, len(reqs),
-                         e.config.scheduler.max_running_requests, prefill + decode, e.max_model_len)
+    def load(self, max_model_len: int) -> GroupLoad:
+        free, _, requests, tokens = self.client.load()
+        return GroupLoad(self.group_id, self.role, self.ready, free, requests,
+                         self.group.config.scheduler.max_running_requests, tokens, max_model_len)
 
 
 class FleetLoop:
     """State and steps of the loop thread (see the module docstring)."""
 
     def __init__(self, cluster: ClusterConfig, fleet_config: FleetConfig, members: list[FleetMember], router: Router,
-                 transport: KVTransport | None, on_done) -> None:
+                 transport: KVTransport | None, on_done, max_model_len: int) -> None:
         self.cluster, self.fleet_config = cluster, fleet_config
         self.disaggregated = cluster.mode == "disaggregated"
         self.members, self.router, self.transport = members, router, transport
         self.on_done = on_done  # called with the request id when a request ends (any thread-side cleanup)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        for member in members:
+            member.client = GroupClient(member.group, self.commands.put)
         self.requests: dict[str, FleetRequest] = {}
-        self.max_model_len = min(s.engine.max_model_len for s in members)
-        self.handoff_limit = sum(s.engine.config.scheduler.max_running_requests for s in members if s.role == "decode")
+        self.max_model_len = max_model_len
+        self.handoff_limit = sum(s.group.config.scheduler.max_running_requests for s in members if s.role == "decode")
+        self._placements = itertools.count(1)  # numbers each placement of a request on an engine
         self.finished = 0
         self.failed = 0
         self.health: dict = {}
@@ -110,8 +113,8 @@ class FleetLoop:
         why = "fleet is shutting down"
         try:
             while not stop.is_set():
-                if not self.run_once():
-                    self._wait_for_command(self.fleet_config.idle_poll_s)
+                self._wait_for_command(self._idle_wait_s())
+                self.run_once()
         except BaseException as e:
             why = f"fleet loop crashed: {type(e).__name__}: {e}"
             raise
@@ -120,9 +123,9 @@ class FleetLoop:
             for fr in list(self.requests.values()):
                 self._fail(fr, FailureKind.FLEET_STOPPED, why)
 
-    def run_once(self) -> bool:
-        """One iteration; returns whether any engine stepped. Readers are woken once per group
-        step and at the end of the iteration (``wakeups``), not once per event."""
+    def run_once(self) -> None:
+        """One iteration. Readers are woken once per group report and at the end of the iteration
+        (``wakeups``), not once per event."""
         now = time.monotonic()
         with self.wakeups.deferred():
             self._drain()
@@ -130,9 +133,15 @@ class FleetLoop:
             self._expire(now)
             self._dispatch_prefill()
             self._dispatch_handoffs()
-            stepped = self._step_all()
+            for member in self.members:
+                member.client.flush()
         self.publish(now)
-        return stepped
+
+    def _idle_wait_s(self) -> float:
+        """How long the loop may sleep: until the nearest deadline, at most half a second."""
+        deadlines = [fr.deadline for fr in self.requests.values() if fr.deadline is not None]
+        left = min(deadlines) - time.monotonic() if deadlines else 0.5
+        return min(0.5, max(self.fleet_config.idle_poll_s, left))
 
     def _wait_for_command(self, timeout_s: float) -> None:
         try:
@@ -157,6 +166,11 @@ class FleetLoop:
             fr = self.requests.get(request_id)
             if fr is not None:
                 self._end(fr, "abort", error)
+        elif kind == "report":
+            self._on_report(*arg)
+        elif kind == "failed":
+            client, generation, reason = arg
+            client.group.fail(reason, generation)
 
     # ----- ending and moving requests -----
 
@@ -164,8 +178,8 @@ class FleetLoop:
         """Take ``fr`` out of wherever it is (freeing its pages there)."""
         member = fr.member
         if member is not None:
-            member.engine.abort(fr.request_id)
-            member.engine.release(fr.request_id)
+            member.assigned.pop(fr.engine_id, None)
+            member.client.send(Abort(fr.engine_id))
             fr.member = None
         fr.payload = None
         for q in (self.router.queue, self.router.handoffs):
@@ -210,18 +224,16 @@ class FleetLoop:
             member.observe(now)
             if member.ready:
                 continue
-            moved = [self.requests[r.request_id] for r in member.unfinished() if r.request_id in self.requests]
-            if member.role != "colocated":
-                # The KV of every request in this group went with it: re-prefill them (oldest first).
-                why = f"group {member.group_id} failed: {member.group.last_error}"
-                for fr in reversed(moved):
-                    self._requeue(fr, why)
-                if moved:
-                    log.warning("%d requests moved off %s (%s)", len(moved), member.group_id, why)
-            elif member.lost(now, self.cluster.lost_after_s):
-                for fr in moved:
-                    self._fail(fr, FailureKind.GROUP_FAILED,
-                               f"group {member.group_id} is dead and not restarting: {member.group.last_error}")
+            # The KV of every request on this group's engine went with it (or with its old
+            # generation): re-prefill them (oldest first) here once it is back, or elsewhere.
+            moved = sorted(member.assigned.values(), key=lambda fr: fr.submitted)
+            why = f"group {member.group_id} failed: {member.group.last_error}"
+            for fr in reversed(moved):
+                self._requeue(fr, why)
+            if moved:
+                log.warning("%d requests moved off %s (%s)", len(moved), member.group_id, why)
+            if member.group.state is GroupState.READY:
+                member.client.reset()
         self._fail_unservable(now)
 
     def _role_lost(self, role: str, now: float) -> str | None:
@@ -262,11 +274,11 @@ class FleetLoop:
                   pick: Callable[[list[GroupLoad], FleetRequest], GroupLoad | None],
                   place: Callable[[FleetMember, GroupLoad, FleetRequest], None]) -> None:
         """Hand ``waiting`` requests, oldest first, to the group of ``roles`` that ``pick`` chooses,
-        until it chooses none; ``place`` puts each in its group's engine (or ends or requeues it)."""
+        until it chooses none; ``place`` sends each to its group's engine (or ends or requeues it)."""
         if not waiting:
             return
         members = {s.group_id: s for s in self.members if s.role in roles}
-        loads = [s.load() for s in members.values()]
+        loads = [s.load(self.max_model_len) for s in members.values()]
         while waiting:
             fr = waiting[0]
             load = pick(loads, fr)
@@ -275,92 +287,94 @@ class FleetLoop:
             waiting.popleft()
             place(members[load.group_id], load, fr)
 
+    def _place(self, member: FleetMember, fr: FleetRequest, command, load: GroupLoad, num_kv: int,
+               tokens: int) -> None:
+        """Send ``command`` (placing ``fr`` on ``member``'s engine) and count it against ``load``."""
+        member.client.send(command, self.router.pages(num_kv), tokens, 1)
+        member.assigned[command.engine_id] = fr
+        fr.member, fr.engine_id = member, command.engine_id
+        self.router.assign(load, fr, num_kv, tokens)
+
     def _prefill(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
-        export = functools.partial(self._export, member, fr) if member.role == "prefill" else None
-        try:
-            member.engine.admit(fr.prompt_ids, fr.params, seed=fr.seed, request_id=fr.request_id,
-                                output_ids=fr.output_ids, logprobs=fr.logprobs, on_first_token=export)
-        except RequestRejected as e:
-            self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {e}")
-            return
-        fr.member = member
         fr.attempts += 1
+        engine_id = f"{fr.request_id}#{next(self._placements)}"
+        command = Admit(engine_id, list(fr.prompt_ids), fr.params, fr.seed, list(fr.output_ids), list(fr.logprobs),
+                        hand_off=member.role == "prefill")
+        tokens = fr.num_tokens + (fr.remaining_output(self.max_model_len) if member.role == "colocated" else 0)
         if fr.holds_admission:
             fr.holds_admission = False
             self.router.gate.release()
-        self.router.assign(load, fr, fr.num_tokens, fr.num_tokens)
-
-    def _export(self, member: FleetMember, fr: FleetRequest, req: Request) -> None:
-        # Runs inside the prefill engine's step, before the request's pages are freed; must not raise.
-        try:
-            fr.payload = self.transport.export_kv(member.group, list(req.pages), req.num_computed)
-        except Exception as e:  # noqa: BLE001 (any failure means: re-prefill this request)
-            fr.payload = None
-            fr.last_failure = f"KV export from {member.group_id} failed: {e}"
+        self._place(member, fr, command, load, fr.num_tokens, tokens)
 
     def _hand_off(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
-        payload, fr.payload = fr.payload, None
-        import_kv = functools.partial(self._import, member, payload)
         try:
-            member.engine.add_prefilled_request(fr.prompt_ids, fr.output_ids, fr.params, seed=fr.seed,
-                                                request_id=fr.request_id, logprobs=fr.logprobs, import_kv=import_kv)
+            shards = self.transport.shards_for(fr.payload, member.group, self.cluster.handoff_timeout_s)
         except KVTransferFailed as e:
-            # A timed-out import's late writes could land in pages the group reuses; a rank that died
-            # during it leaves a group no step has seen fail yet, so every hand-off to it would fail.
-            dead = [] if e.timed_out else member.group.dead_ranks()
-            if e.timed_out or dead:
-                member.group.fail(str(e) if e.timed_out else f"a rank died: rank {', '.join(map(str, dead))} ({e})")
             self._requeue(fr, str(e))
             return
-        except RequestRejected as e:
-            self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {e}")
-            return
-        fr.member = member
-        self.router.assign(load, fr, fr.num_tokens - 1, fr.remaining_output(load.max_model_len))
+        fr.shards = shards
+        command = Prefilled(f"{fr.request_id}#{next(self._placements)}", list(fr.prompt_ids), list(fr.output_ids),
+                            fr.params, fr.seed, list(fr.logprobs), self.transport.name, shards,
+                            self.cluster.handoff_timeout_s)
+        self._place(member, fr, command, load, fr.num_tokens - 1, fr.remaining_output(self.max_model_len))
 
-    def _import(self, member: FleetMember, payload, pages: list[int]) -> int:
-        return self.transport.import_kv(member.group, pages, payload, self.cluster.handoff_timeout_s)
+    # ----- reports -----
 
-    # ----- stepping -----
-
-    def _step_all(self) -> bool:
-        stepped = False
-        for member in self.members:
-            if not member.ready or not member.engine.has_unfinished():
+    def _on_report(self, client: GroupClient, generation: int, report: GroupReport) -> None:
+        member = next(m for m in self.members if m.client is client)
+        if generation != client.generation:
+            return  # from a generation the loop has moved off (its requests were moved too)
+        client.update(report)
+        for ev in report.events:
+            fr = member.assigned.get(ev.request_id)
+            if fr is None:  # ended or moved since: the engine's late news of it is dropped
                 continue
-            before = len(member.engine.step_stats)
-            events = member.engine.step()
-            stepped = stepped or bool(events) or len(member.engine.step_stats) != before or member.engine.in_flight
-            for ev in events:
-                self._on_event(member, ev)
-            self.wakeups.flush()  # this group's tokens go out before the next group steps
-        return stepped
-
-    def _on_event(self, member: FleetMember, ev: RequestEvent) -> None:
-        fr = self.requests.get(ev.request_id)
-        if fr is None:  # ended meanwhile (cannot happen: ends detach from the engine first)
-            member.engine.release(ev.request_id)
-            return
-        if ev.finish_reason == "handoff":
-            member.engine.release(ev.request_id)
-            fr.member = None
-            fr.deliver(RequestEvent(ev.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
-            if fr.payload is None:
-                self._requeue(fr, fr.last_failure or f"KV export from {member.group_id} failed")
+            if ev.finish_reason == "handoff":
+                self._staged(member, fr, ev, report)
+            elif ev.finished:
+                del member.assigned[ev.request_id]
+                fr.member = None
+                failure = (ev.failure or FailureKind.GROUP_FAILED) if ev.finish_reason == "error" else None
+                final = dataclasses.replace(ev, request_id=fr.request_id, failure=failure)
+                self._end(fr, ev.finish_reason, ev.error, final, failure)
             else:
-                self.router.handoffs.append(fr)
-        elif ev.finished:
-            # An engine ends a request with "error" only when its executor is gone (GroupUnavailable).
-            failed = ev.finish_reason == "error"
-            error = member.engine.errors.get(ev.request_id) if failed else None
-            failure = FailureKind.GROUP_FAILED if failed else None
-            member.engine.release(ev.request_id)
+                fr.deliver(dataclasses.replace(ev, request_id=fr.request_id))
+        for engine_id in report.accepted:
+            fr = member.assigned.get(engine_id)
+            if fr is not None:
+                fr.payload = fr.shards = None  # imported: the staged copies can go
+        for refused in report.refused:
+            fr = member.assigned.pop(refused.engine_id, None)
+            if fr is None:
+                continue
             fr.member = None
-            final = RequestEvent(ev.request_id, ev.token_ids, ev.text, True, ev.finish_reason, ev.logprobs, error,
-                                 failure)
-            self._end(fr, ev.finish_reason, error, final, failure)
-        else:
-            fr.deliver(ev)
+            if refused.kind == "no_room":  # the engine filled up since the router looked: wait again
+                self.router.handoffs.appendleft(fr)
+            elif refused.kind == "rejected":
+                self._fail(fr, FailureKind.REJECTED, f"rejected by group {member.group_id}: {refused.message}")
+            else:
+                self.transport.transfer_failed(fr.payload, member.group, fr.shards)
+                if refused.fail_group:
+                    member.group.fail(refused.message, generation)
+                self._requeue(fr, f"KV hand-off to {member.group_id} failed: {refused.message}")
+        self.wakeups.flush()  # this group's tokens go out before the next report is read
+
+    def _staged(self, member: FleetMember, fr: FleetRequest, ev: RequestEvent, report: GroupReport) -> None:
+        """``fr`` sampled its first token on prefill group ``member``, which staged its KV: queue its hand-off."""
+        del member.assigned[ev.request_id]
+        fr.member = None
+        fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
+        staged = report.staged.get(ev.request_id)
+        if staged is None or staged.error is not None:
+            why = staged.error if staged is not None else "nothing was staged"
+            self._requeue(fr, f"KV export from {member.group_id} failed: {why}")
+            return
+        try:
+            fr.payload = self.transport.payload(member.group, staged.transfer_id, staged.num_pages, staged.num_tokens)
+        except KVTransferFailed as e:
+            self._requeue(fr, str(e))
+            return
+        self.router.handoffs.append(fr)
 
     # ----- health -----
 
@@ -369,11 +383,11 @@ class FleetLoop:
         groups = {}
         for s in self.members:
             g = s.group
+            free, usable, _, _ = s.client.load()
             groups[s.group_id] = {
                 "role": s.role, "state": s.health_state(now, self.cluster.lost_after_s), "phase": g.state.value,
-                "tp_size": g.config.cluster.tp_size, "generation": g.health()["generation"], "restarts": g.restarts,
-                "last_error": g.last_error, "num_pages": s.engine.allocator.num_usable,
-                "free_pages": s.engine.num_free_pages, "requests": len(s.unfinished()),
+                "tp_size": g.config.cluster.tp_size, "generation": g.generation, "restarts": g.restarts,
+                "last_error": g.last_error, "num_pages": usable, "free_pages": free, "requests": len(s.assigned),
                 "waiting": g.waiting.health(now) if g.waiting is not None else None,
             }
         states = {v["state"] for v in groups.values()}

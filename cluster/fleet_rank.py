@@ -1,58 +1,124 @@
-"""The rank actor of a fleet group: a :class:`RankActor` that also moves KV pages.
+"""The rank actor of a fleet group: a :class:`RankActor` that hosts its group's engine (rank 0)
+and moves KV pages.
 
-Export and import run on every rank of a group (each rank hands over its own shard of the KV
-heads); see :mod:`worker.kv_pages` for the page layout.
+The leader's engine loop (:mod:`cluster.engine_host`) runs on the ``loop`` thread; the fleet's
+command batches and report polls arrive on threads of their own (``engine_in``, ``engine_out``).
+Staging and importing KV run on every rank in the order of the leader's steps (each rank hands
+over its own shard of the KV heads; see :mod:`worker.kv_pages` for the page layout); the staged
+copies then leave through Ray calls on the default thread.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 import warnings
 
 import numpy as np
 import ray
 import torch
 
+from cluster.engine_host import EngineHost
+from cluster.kv_transport import resolve_shards
 from cluster.rank_actor import RankActor
+
+#: How long a call for a staged copy waits for the rank's loop to have made it.
+STAGED_WAIT_S = 60.0
 
 
 class FleetRankActor(RankActor):
-    """A rank actor that also exports and imports a request's KV pages for the hand-off.
+    """A rank actor that hosts its group's engine (the leader) and exports and imports a request's
+    KV pages for the hand-off.
 
-    Export is two calls: ``stage_pages`` copies the pages on the device into a tensor this
-    actor holds (the caller waits for it: afterwards the pages may be reused by any later
-    step, whichever thread runs it), then ``take_staged`` hands the copy over.
+    Export: the leader's engine stages the pages on every rank (its own copy, and an order to each
+    follower) before anything can reuse them; the fleet then takes the copies (``take_staged``,
+    ``share_staged``, ``p2p_send``), which wait until this rank's loop has made its copy.
     """
 
-    #: Point-to-point opens, sends and receives run on threads of their own: one blocked on a dead
-    #: peer (until its pair's timeout) must not hold up staging, imports, shutdown, or the
-    #: transfers of newer pairs. The fleet loop runs one transfer per pair at a time.
-    concurrency_groups = {"kv_p2p": 4}
+    #: ``engine_in``/``engine_out``: the fleet's command batches and report polls (one thread each,
+    #: so batches arrive in order and a poll never waits behind a command). Point-to-point opens,
+    #: sends and receives run on threads of their own: one blocked on a dead peer (until its pair's
+    #: timeout) must not hold up staging, imports, shutdown, or the transfers of newer pairs.
+    concurrency_groups = {"loop": 1, "engine_in": 1, "engine_out": 1, "kv_p2p": 4}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._staged: dict[str, object] = {}
+        self._staged_cond = threading.Condition()
         self._pairs: dict[str, tuple] = {}  # pair id -> (process group, store, peer rank)
+        self.host: EngineHost | None = None
 
-    def stage_pages(self, transfer_id: str, pages: list[int]) -> int:
-        """Copy ``pages``' KV (on the device) for a later :meth:`take_staged`; returns its bytes."""
+    # ----- the group's engine (leader) -----
+
+    def start_engine(self, max_model_len: int) -> None:
+        """Build this generation's engine (after capture), stopping sequences at ``max_model_len``."""
+        self.host = EngineHost(self.config, self.executor, self.info.role, max_model_len, self._stage_local,
+                               resolve_shards, self._import_local)
+
+    @ray.method(concurrency_group="loop")
+    def serve_engine(self) -> None:
+        """Run the engine loop until shutdown; raises when a step fails (the group is dead)."""
+        self.host.run()
+
+    @ray.method(concurrency_group="engine_in")
+    def engine_commands(self, number: int, commands: list) -> None:
+        self.host.put(number, commands)
+
+    @ray.method(concurrency_group="engine_out")
+    def engine_events(self, wait_s: float):
+        """The engine's :class:`cluster.group_messages.GroupReport` since the last call (waits up to ``wait_s``)."""
+        return self.host.take_report(wait_s)
+
+    def shutdown(self) -> None:
+        if self.host is not None:
+            self.host.stop()
+            deadline = time.monotonic() + 5.0
+            while self.host.running and time.monotonic() < deadline:
+                time.sleep(0.01)
+        super().shutdown()
+
+    # ----- KV pages -----
+
+    def _stage_local(self, transfer_id: str, pages: list[int]) -> None:
+        """Copy ``pages``' KV (on the device) for a later take (runs in the rank's step order)."""
         from worker import kv_pages
 
         out = kv_pages.export_pages(self.worker, pages)
         if out.is_cuda:
-            # Tasks and compiled-graph steps may run on different streams: the copy must be done,
-            # not just enqueued, before the pages are reused.
+            # The copy must be done, not just enqueued, before a later step reuses the pages or
+            # another thread (stream) reads it.
             torch.cuda.current_stream(out.device).synchronize()
-        self._staged[transfer_id] = out
-        return out.numel() * out.element_size()
+        with self._staged_cond:
+            self._staged[transfer_id] = out
+            self._staged_cond.notify_all()
+
+    def _wait_staged(self, transfer_id: str):
+        with self._staged_cond:
+            if not self._staged_cond.wait_for(lambda: transfer_id in self._staged, STAGED_WAIT_S):
+                raise RuntimeError(f"{self.info.name}: KV copy {transfer_id} not staged after {STAGED_WAIT_S:g}s")
+            return self._staged[transfer_id]
 
     def take_staged(self, transfer_id: str):
         """The staged copy as the raw bytes of a CPU tensor (a uint8 numpy array: Ray stores numpy
         arrays without a copy and readers map them; a torch tensor is pickled, ~3x slower)."""
-        return self._staged.pop(transfer_id).cpu().reshape(-1).view(torch.uint8).numpy()
+        self._wait_staged(transfer_id)
+        with self._staged_cond:
+            staged = self._staged.pop(transfer_id)
+        return staged.cpu().reshape(-1).view(torch.uint8).numpy()
 
     def drop_staged(self, transfer_id: str) -> None:
-        self._staged.pop(transfer_id, None)
+        with self._staged_cond:
+            self._staged.pop(transfer_id, None)
+
+    def _import_local(self, pages: list[int], transport: str, item) -> None:
+        """Write this rank's shard of an imported request's KV into ``pages`` (in step order)."""
+        if transport == "cuda_ipc":
+            self._import_shared(pages, item)
+        elif transport == "nccl":
+            self._p2p_recv(item, pages)
+        else:
+            self._import_pages(pages, item)
 
     def device_uuid(self) -> str | None:
         """The UUID of this rank's GPU (None on CPU): CUDA IPC needs both sides on one device."""
@@ -68,14 +134,14 @@ class FleetRankActor(RankActor):
         import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
-        staged = self._staged[transfer_id]
+        staged = self._wait_staged(transfer_id)
         if staged.device.type != "cuda":
             raise RuntimeError("cuda_ipc moves device memory: this rank's KV cache is on the CPU")
         torch.cuda.current_stream(staged.device).synchronize()  # the copy is complete before anyone maps it
         rebuild, args = reduce_tensor(staged)
         return self.device_uuid(), rebuild, args
 
-    def import_shared(self, pages: list[int], shard: tuple) -> int:
+    def _import_shared(self, pages: list[int], shard: tuple) -> int:
         """Map a :meth:`share_staged` handle of the matching prefill rank and copy it into ``pages``."""
         import torch
 
@@ -90,7 +156,7 @@ class FleetRankActor(RankActor):
         torch.cuda.current_stream(self.worker.device).synchronize()  # done reading before the sender frees it
         return payload.numel() * payload.element_size()
 
-    def import_pages(self, pages: list[int], payload) -> int:
+    def _import_pages(self, pages: list[int], payload) -> int:
         """Write ``payload`` (a :meth:`take_staged` byte array, or a tensor) into ``pages``;
         returns the number of bytes written."""
         from worker import kv_pages
@@ -149,16 +215,18 @@ class FleetRankActor(RankActor):
         """Send the staged copy ``transfer_id`` to the pair's other rank (it is dropped here after)."""
         import torch
 
-        staged = self._staged.pop(transfer_id)
+        self._wait_staged(transfer_id)
+        with self._staged_cond:
+            staged = self._staged.pop(transfer_id)
         group, _, peer = self._pairs[pair_id]
         group.send([staged], peer, 0).wait()
         if staged.is_cuda:
             torch.cuda.current_stream(staged.device).synchronize()
         return staged.numel() * staged.element_size()
 
-    @ray.method(concurrency_group="kv_p2p")
-    def p2p_recv(self, pair_id: str, pages: list[int]) -> int:
-        """Receive a request's KV from the pair's other rank into ``pages``."""
+    def _p2p_recv(self, pair_id: str, pages: list[int]) -> int:
+        """Receive a request's KV from the pair's other rank into ``pages`` (on the loop thread, in step
+        order)."""
         import torch
 
         from worker import kv_pages

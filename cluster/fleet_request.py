@@ -168,8 +168,9 @@ class FleetRequest:
 
     ``output_ids``/``logprobs``/``text`` are exactly what was delivered to the client, so a request
     moved to another group resumes from them (the group re-prefills prompt + output and samples
-    output token ``len(output_ids)`` with the same seed). At most one of ``member`` (a group's engine
-    holds it) and ``payload`` (its KV waits for a decode group) is set; neither while it is queued.
+    output token ``len(output_ids)`` with the same seed). ``member`` is the group whose engine holds
+    it (as ``engine_id``); ``payload`` its staged KV, from its prefill until a decode group has
+    imported it (``shards``: what that group was sent); neither while it is queued.
     """
 
     request_id: str
@@ -185,7 +186,9 @@ class FleetRequest:
     attempts: int = 0  # prefills started
     moves: int = 0  # times its KV was lost (group failure, failed hand-off) and it was requeued
     member: object = None
+    engine_id: str | None = None
     payload: object = None
+    shards: tuple | None = None
     holds_admission: bool = True  # counts against the router's queue bound until first dispatched
     last_failure: str | None = None
     token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each event with tokens

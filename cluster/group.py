@@ -1,16 +1,15 @@
 """A tensor-parallel worker group: ``tp_size`` rank actors in one placement group.
 
-The group is the engine's executor (``arch``, ``num_pages``, ``max_len``, ``execute``,
-``shutdown``). Its leader is the driver-side object: every rank receives the same step message,
-runs the same step (same predicate, same graph replay or eager path, same seeded sampling) and
-rank 0 returns the tokens. With ``cluster.compiled_graph`` (the default) the message travels
-through a Ray Compiled Graph compiled once after capture: one shared-memory channel write the
-ranks read, about 0.1 ms a step, where a Ray task per rank per step costs 1-3 ms (what vLLM
-does too). The ranks run compiled-graph steps on a thread of their own; the fleet never calls
-a rank's other methods while its step is in flight (metrics reads aside). Otherwise the message
-is put in Ray's object store once and each rank gets the same reference. A rank that
-dies or a step slower than ``cluster.step_timeout_s`` fails the whole generation: its ranks are
-killed, its placement group removed, and a fresh generation starts in the background.
+Rank 0 is the group's *leader*: it runs every step first-hand and hands each one to the other
+ranks (its *followers*) over the generation's step channel (:mod:`cluster.step_channel`: a gloo
+broadcast, no Ray call per rank per step), and every rank runs the same step (same predicate,
+same graph replay or eager path, same seeded sampling); only the leader's tokens are read. A
+fleet group runs its engine on the leader too (:mod:`cluster.engine_host`); a bare group is the
+executor of an engine in the caller's process (one Ray call to the leader per step). Each
+follower's loop, and a fleet leader's engine loop, is a Ray call that lasts as long as its
+generation: the group watches them, so a rank's death is seen at once, not at the next step. A
+rank that dies, or a step slower than ``cluster.step_timeout_s``, fails the whole generation: its
+ranks are killed, its placement group removed, and a fresh generation starts in the background.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -39,14 +38,17 @@ _WAIT_REFRESH_S = 1.0
 
 
 class RankGeneration:
-    """One generation of a group: its started rank actors, their placement group and compiled step graph."""
+    """One generation of a group: its started rank actors, their placement group, and the Ray calls
+    that last its whole life (``loops``: each follower's :meth:`RankActor.follow`, and a fleet leader's
+    engine loop), which end with an error when their rank dies."""
 
     def __init__(self, group_id: str, generation: int, config: GroupConfig, role: str, actor_cls=RankActor) -> None:
         self.group_id, self.generation, self.config, self.role = group_id, generation, config, role
         self.actor_cls = actor_cls
         self.actors: list = []
         self.pg = None
-        self._dag = None
+        self.loops: list = []
+        self.engine_loop = None  #: a fleet leader's engine loop (one of ``loops``), once started
 
     def start(self, on_state, fixed_pages: int | None = None,
               cancelled: Callable[[], bool] = lambda: False) -> tuple[object, int, int]:
@@ -93,8 +95,7 @@ class RankGeneration:
         on_state(GroupState.CAPTURING, None)
         self._all("capture", deadline)
         arch = ray.get(self.actors[0].arch.remote(), timeout=_left(deadline))
-        if c.compiled_graph:
-            self._compile()
+        self.loops = [a.follow.remote() for a in self.actors[1:]]
         return arch, pages, max_len
 
     def _wait_placed(self, bundle: dict, deadline: float, on_state, cancelled: Callable[[], bool]) -> None:
@@ -127,28 +128,33 @@ class RankGeneration:
                 waiting = dataclasses.replace(waiting, available=free)
             on_state(GroupState.STARTING, waiting)
 
-    def _compile(self) -> None:
-        from ray.dag import InputNode, MultiOutputNode
-
-        with InputNode() as msg:
-            dag = MultiOutputNode([a.execute.bind(msg) for a in self.actors])
-        self._dag = dag.experimental_compile()
+    @property
+    def leader(self):
+        return self.actors[0]
 
     def _all(self, method: str, deadline: float, *args):
         return ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=_left(deadline))
 
     def submit(self, msg: StepMessage):
-        """Send a step to every rank; what :meth:`collect` waits on."""
-        if self._dag is not None:
-            return self._dag.execute(msg)
-        ref = ray.put(msg)
-        return [a.execute.remote(ref) for a in self.actors]
+        """Send a step to the leader (which hands it to the followers); what :meth:`collect` waits on."""
+        return self.leader.execute.remote(msg)
 
     def collect(self, sent, timeout_s: float) -> StepResult:
-        return ray.get(sent, timeout=timeout_s)[0]
+        """The step's result; raises as soon as a rank's loop ends (it died) or ``timeout_s`` passes."""
+        ready, _ = ray.wait([sent, *self.loops], num_returns=1, timeout=timeout_s)
+        if not ready:
+            raise GetTimeoutError(f"step not done after {timeout_s:g}s")
+        if ready[0] is not sent:
+            self.check_loop(ready[0])
+        return ray.get(sent)
+
+    def check_loop(self, loop) -> None:
+        """Raise the error a finished rank loop ended with (``RayActorError`` when its rank died)."""
+        ray.get(loop)
+        raise RayActorError(f"rank {self.loops.index(loop) + 1}'s loop ended while its generation was live")
 
     def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
-        """Ranks that no longer answer a ping (a closed compiled-graph channel names no rank)."""
+        """Ranks that no longer answer a ping within ``timeout_s``."""
         dead = []
         for rank, a in enumerate(self.actors):
             try:
@@ -160,21 +166,18 @@ class RankGeneration:
     def kill(self, graceful_s: float = 5.0) -> None:
         """Release graphs and the process group where the ranks still answer, then kill them.
 
-        The compiled graph is torn down last: a rank stuck in a step would hold its teardown, while
-        tearing down over killed ranks returns at once.
+        The leader goes first (it stops its engine loop and tells the followers to stop), then the
+        followers; each wait is bounded, so a stuck or dead rank holds nothing up.
         """
         if self.actors:
-            refs = [a.shutdown.remote() for a in self.actors]
-            ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
+            ray.wait([self.leader.shutdown.remote()], timeout=graceful_s)
+            refs = [a.shutdown.remote() for a in self.actors[1:]]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
-        if self._dag is not None:
-            dag, self._dag = self._dag, None
-            try:
-                dag.teardown()
-            except Exception as e:  # noqa: BLE001 - the ranks are gone; nothing is left to release
-                log.warning("group %s: compiled graph teardown: %s", self.group_id, e)
+        self.loops = []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
@@ -183,6 +186,18 @@ class RankGeneration:
 #: First wait before a failed restart is tried again, and the longest (the wait doubles in between).
 _RESTART_BACKOFF_S = 1.0
 _RESTART_BACKOFF_MAX_S = 30.0
+
+
+def failure_reason(gen: RankGeneration, error: BaseException) -> str:
+    """Why ``gen`` failed with ``error``: "a rank died: rank N (...)" when ranks no longer answer
+    (a follower's death also breaks the leader's step), else "a rank failed the step: ..."."""
+    first_line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    dead = gen.dead_ranks(timeout_s=2.0)
+    if dead:
+        return f"a rank died: rank {', '.join(map(str, dead))} ({first_line})"
+    if isinstance(error, RayActorError):
+        return f"a rank died: {first_line}"
+    return f"a rank failed the step: {first_line}"
 
 
 def _left(deadline: float) -> float:
@@ -271,6 +286,7 @@ class WorkerGroup:
         try:
             fixed = self.num_pages if self._generation > 0 else None
             self.arch, self.num_pages, self.max_len = gen.start(self._set_state, fixed, self._cancelled)
+            self._prepare(gen)
         except (RayError, GroupUnavailable, RuntimeError) as e:
             self.last_error = f"start of generation {self._generation} failed: {e}"
             (log.info if self._cancelled() else log.error)("group %s: %s", self.group_id, self.last_error)
@@ -286,9 +302,26 @@ class WorkerGroup:
         log.info("group %s generation %d ready: %d ranks, %d KV pages", self.group_id, self._generation,
                  self.config.cluster.tp_size, self.num_pages)
 
-    def fail(self, reason: str) -> None:
+    def _prepare(self, gen: RankGeneration) -> None:
+        """Subclasses' last step of a generation's start, before it is ready (nothing here)."""
+
+    @property
+    def generation(self) -> int:
+        """The number of the current (or starting) generation, from 0."""
+        return self._generation
+
+    def current(self) -> RankGeneration | None:
+        """The ready generation (None while none is)."""
+        return self._current
+
+    def fail(self, reason: str, generation: int | None = None) -> None:
         """Declare this generation dead (e.g. a KV import into it timed out and may still write);
-        it is killed and, with ``cluster.restart``, replaced in the background."""
+        it is killed and, with ``cluster.restart``, replaced in the background. With ``generation``,
+        only if that generation is still the current one (a late report of an old one is ignored)."""
+        with self._cond:
+            gen = self._current
+            if gen is None or (generation is not None and gen.generation != generation):
+                return
         self._fail(reason)
 
     def _fail(self, reason: str) -> None:
@@ -363,17 +396,10 @@ class WorkerGroup:
 
     def _step_failed(self, gen: RankGeneration, error: RayError) -> NoReturn:
         """Fail the generation a step failed on (a later step's failure of it is the same)."""
-        first_line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        if isinstance(error, (GetTimeoutError, RayChannelTimeoutError)):
+        if isinstance(error, GetTimeoutError):
             reason = f"step exceeded cluster.step_timeout_s={self.config.cluster.step_timeout_s}s"
-        elif isinstance(error, RayActorError):
-            reason = f"a rank died: {first_line}"
-        elif isinstance(error, RayChannelError):
-            dead = gen.dead_ranks()
-            reason = (f"a rank died: rank {', '.join(map(str, dead))} (compiled-graph channel closed)" if dead
-                      else f"a rank failed the step: {first_line}")
         else:
-            reason = f"a rank failed the step: {first_line}"
+            reason = failure_reason(gen, error)
         if gen is self._current:
             self._fail(reason)
         raise GroupFailed(f"group {self.group_id}: {reason}") from None

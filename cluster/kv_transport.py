@@ -1,15 +1,13 @@
 """KV hand-off transports: how a prefill group's KV pages reach a decode group.
 
-One interface, :class:`KVTransport`: ``export_kv`` starts copying a request's pages out of every rank
-of the prefill group and returns a :class:`KVPayload` at once; ``import_kv`` writes the payload into
-pages of a decode group (rank ``i`` receives rank ``i``'s shard) and blocks until every rank has.
-
-Ordering invariant (what makes freeing the prefill pages right after ``export_kv`` safe): ``export_kv``
-returns only once every rank has finished a device copy of the pages (``stage_pages``), so any
-later step's writes come after the copy; task order alone would not do, because compiled-graph
-steps run on another thread (and perhaps stream) of the rank than its Ray tasks. A timed-out
-import could still write after the decode group reuses the pages: the fleet fails that group
-(``KVTransferFailed.timed_out``), as for a step timeout.
+Export: the prefill group's leader stages a request's pages on every rank as the request's first
+token is sampled (its own copy at once, an order to each follower, which runs it before any
+later step: :mod:`cluster.step_channel`), so freeing the pages right after is safe. The fleet
+wraps what was staged in a :class:`KVPayload` (:meth:`KVTransport.payload`). Import: the fleet
+sends the payload's shards (:meth:`KVTransport.shards_for`) with the request to a decode group's
+leader, which resolves them (:func:`resolve_shards`), allocates pages and has every rank write
+its shard, in step order, before the request's first decode step. A failed import that may still
+write (a timeout, or followers told to import) fails the decode group.
 
 Transports: ``object_store`` (each prefill rank returns its pages as a CPU tensor, Ray keeps it in
 the object store, each decode rank receives it by ``ObjectRef``; the CPU default, also correct on
@@ -66,58 +64,47 @@ class KVPayload:
 
 
 class KVTransport(ABC):
-    """Moves KV pages between ranks of two groups with equal tp sizes."""
+    """Moves KV pages between ranks of two groups with equal tp sizes.
+
+    The fleet's side: :meth:`payload` wraps what a prefill group's leader staged on its ranks,
+    :meth:`shards_for` turns a payload into what a decode group's leader needs to import it
+    (:func:`resolve_shards` on that side), :meth:`transfer_failed` cleans up after a failed one.
+    """
 
     name: ClassVar[str]
-
-    stage_timeout_s: float = 60.0
-
-    @abstractmethod
-    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
-        """Export ``pages`` from every rank of ``group``: returns once each rank holds a device copy."""
 
     def check(self, prefill_groups: list, decode_groups: list, timeout_s: float) -> None:
         """Raise :class:`KVTransportUnavailable` if this transport cannot connect these groups."""
         return None
 
-    def _stage(self, group, pages: list[int]) -> tuple[list, str]:
-        """Every rank of ``group`` copies ``pages`` on its device; returns (rank actors, transfer id)."""
-        actors = group.rank_actors()
-        if len(actors) != group.tp_size:
-            raise KVTransferFailed(f"group {group.group_id} is {group.state.value}: cannot export KV")
-        transfer_id = uuid.uuid4().hex
-        staged = [a.stage_pages.remote(transfer_id, list(pages)) for a in actors]
-        try:
-            ray.get(staged, timeout=self.stage_timeout_s)
-        except (GetTimeoutError, RayError) as e:
-            _drop_staged(actors, transfer_id)
-            raise KVTransferFailed(f"KV export from {group.group_id} failed: {describe_ray_error(e)}") from None
-        return actors, transfer_id
+    @abstractmethod
+    def payload(self, group, transfer_id: str, num_pages: int, num_tokens: int) -> KVPayload:
+        """The payload of KV staged under ``transfer_id`` on every rank of ``group``."""
 
-    def _targets(self, group, pages: list[int], payload: KVPayload) -> tuple[str, list]:
-        """(a description of the hand-off, the live ranks of ``group``) once ``payload`` fits them."""
+    def shards_for(self, payload: KVPayload, group, timeout_s: float) -> tuple:
+        """What the ranks of decode group ``group`` import ``payload`` from (one item per rank)."""
+        self._check_fits(payload, group)
+        return payload.shards
+
+    def transfer_failed(self, payload: KVPayload, group, shards: tuple) -> None:
+        """A transfer of ``payload`` into ``group`` failed: clean up what it left (nothing, here)."""
+        return None
+
+    def _check_fits(self, payload: KVPayload, group) -> None:
         where = f"KV hand-off {payload.source_group} -> {group.group_id}"
         if payload.transport != self.name:
             raise KVTransferFailed(f"{where}: payload came from transport {payload.transport!r}, not {self.name!r}")
-        if len(pages) != payload.num_pages:
-            raise KVTransferFailed(f"{where}: {payload.num_pages} pages exported, {len(pages)} allocated")
         actors = group.rank_actors()
         if len(actors) != len(payload.shards):
             raise KVTransferFailed(f"{where}: {len(payload.shards)} shards for {len(actors)} live ranks "
                                    f"(group {group.group_id} is {group.state.value})")
-        return where, actors
 
-    def _import(self, method: str, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        where, actors = self._targets(group, pages, payload)
-        return sum(_transfer([getattr(a, method).remote(list(pages), s) for a, s in zip(actors, payload.shards)],
-                             timeout_s, where))
-
-    @abstractmethod
-    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        """Write ``payload`` into ``pages`` on every rank of ``group``; returns bytes moved.
-
-        Raises :class:`KVTransferFailed` naming the groups and the cause.
-        """
+    @staticmethod
+    def _sources(group) -> list:
+        actors = group.rank_actors()
+        if len(actors) != group.tp_size:
+            raise KVTransferFailed(f"group {group.group_id} is {group.state.value}: cannot export KV")
+        return actors
 
 
 class ObjectStoreTransport(KVTransport):
@@ -125,13 +112,10 @@ class ObjectStoreTransport(KVTransport):
 
     name = "object_store"
 
-    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
-        actors, transfer_id = self._stage(group, pages)
-        shards = tuple(a.take_staged.remote(transfer_id) for a in actors)
-        return KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
-
-    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        return self._import("import_pages", group, pages, payload, timeout_s)
+    def payload(self, group, transfer_id: str, num_pages: int, num_tokens: int) -> KVPayload:
+        # The fleet owns the references: the bytes outlive the prefill rank that made them.
+        shards = tuple(a.take_staged.remote(transfer_id) for a in self._sources(group))
+        return KVPayload(self.name, group.group_id, shards, num_pages, num_tokens)
 
 
 class CudaIpcTransport(KVTransport):
@@ -152,15 +136,12 @@ class CudaIpcTransport(KVTransport):
                         f"kv_transport=cuda_ipc needs rank i of every prefill and decode group on one GPU: "
                         f"{p.group_id} is on {mine}, {gid} on {theirs}; use kv_transport=object_store")
 
-    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
-        actors, transfer_id = self._stage(group, pages)
+    def payload(self, group, transfer_id: str, num_pages: int, num_tokens: int) -> KVPayload:
+        actors = self._sources(group)
         shards = tuple(a.share_staged.remote(transfer_id) for a in actors)
-        payload = KVPayload(self.name, group.group_id, shards, len(pages), num_tokens)
+        payload = KVPayload(self.name, group.group_id, shards, num_pages, num_tokens)
         weakref.finalize(payload, _drop_staged, actors, transfer_id)  # the senders keep the copies until then
         return payload
-
-    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        return self._import("import_shared", group, pages, payload, timeout_s)
 
 
 class NcclTransport(KVTransport):
@@ -185,27 +166,26 @@ class NcclTransport(KVTransport):
                         f"kv_transport=nccl: rank {shared[0]} of {p.group_id} and of {gid} share one GPU, and NCCL "
                         "cannot pair two ranks on one device; use kv_transport=cuda_ipc")
 
-    def export_kv(self, group, pages: list[int], num_tokens: int) -> KVPayload:
-        actors, transfer_id = self._stage(group, pages)
-        payload = KVPayload(self.name, group.group_id, tuple((a, transfer_id) for a in actors), len(pages),
+    def payload(self, group, transfer_id: str, num_pages: int, num_tokens: int) -> KVPayload:
+        actors = self._sources(group)
+        payload = KVPayload(self.name, group.group_id, tuple((a, transfer_id) for a in actors), num_pages,
                             num_tokens)
         weakref.finalize(payload, _drop_staged, actors, transfer_id)
         return payload
 
-    def import_kv(self, group, pages: list[int], payload: KVPayload, timeout_s: float) -> int:
-        where, actors = self._targets(group, pages, payload)
-        pairs = [(src, dst, self._pair(src, dst, timeout_s, where)) for (src, _), dst in zip(payload.shards, actors)]
-        refs = []
-        for (src, transfer_id), (_, dst, pair_id) in zip(payload.shards, pairs):
-            refs += [src.p2p_send.remote(pair_id, transfer_id), dst.p2p_recv.remote(pair_id, list(pages))]
-        try:
-            return sum(_transfer(refs, timeout_s, where)) // 2  # each byte is counted by its sender and receiver
-        except KVTransferFailed:
-            for src, dst, pair_id in pairs:  # a failed transfer leaves the pair unusable: rebuild it next time
-                self._pairs.pop((src._actor_id.hex(), dst._actor_id.hex()), None)
-                for a in (src, dst):
-                    a.p2p_close.remote(pair_id)
-            raise
+    def shards_for(self, payload: KVPayload, group, timeout_s: float) -> tuple:
+        """(prefill rank, transfer id, pair id) per rank; opens the pairs it has not opened yet."""
+        self._check_fits(payload, group)
+        where = f"KV hand-off {payload.source_group} -> {group.group_id}"
+        return tuple((src, transfer_id, self._pair(src, dst, timeout_s, where))
+                     for (src, transfer_id), dst in zip(payload.shards, group.rank_actors()))
+
+    def transfer_failed(self, payload: KVPayload, group, shards: tuple) -> None:
+        """A failed transfer leaves its pairs unusable: they are rebuilt next time."""
+        for (src, _, pair_id), dst in zip(shards, group.rank_actors()):
+            self._pairs.pop((src._actor_id.hex(), dst._actor_id.hex()), None)
+            for a in (src, dst):
+                a.p2p_close.remote(pair_id)
 
     def _pair(self, src, dst, timeout_s: float, where: str) -> str:
         key = (src._actor_id.hex(), dst._actor_id.hex())
@@ -225,20 +205,28 @@ class NcclTransport(KVTransport):
         return pair_id
 
 
+def resolve_shards(transport: str, shards: tuple, timeout_s: float) -> list:
+    """Decode leader: one item per rank to import from (see :meth:`KVTransport.shards_for`).
+
+    ``object_store``: each rank's bytes; ``cuda_ipc``: each rank's IPC handle; ``nccl``: each
+    rank's pair id, once the prefill ranks have been told to send (their sends meet the ranks'
+    receives, which run in step order).
+    """
+    if transport == "nccl":
+        for src, transfer_id, pair_id in shards:
+            src.p2p_send.remote(pair_id, transfer_id)
+        return [pair_id for _, _, pair_id in shards]
+    try:
+        return ray.get(list(shards), timeout=timeout_s)
+    except GetTimeoutError:
+        raise KVTransferFailed(f"KV shards not available after {timeout_s:g}s") from None
+    except RayError as e:
+        raise KVTransferFailed(f"KV shards lost: {describe_ray_error(e)}") from None
+
+
 def _device_uuids(group, timeout_s: float) -> list[str | None]:
     """Each rank's GPU UUID, in rank order (None for a CPU rank)."""
     return ray.get([a.device_uuid.remote() for a in group.rank_actors()], timeout=timeout_s)
-
-
-def _transfer(refs: list, timeout_s: float, where: str) -> list:
-    """The results of a hand-off's rank tasks, failing as soon as one fails, as
-    :class:`KVTransferFailed` (``timed_out`` when the tasks may still be writing)."""
-    try:
-        return _get_failing_fast(refs, timeout_s)
-    except GetTimeoutError:
-        raise KVTransferFailed(f"{where}: not done after {timeout_s:g}s", timed_out=True) from None
-    except RayError as e:
-        raise KVTransferFailed(f"{where} failed: {describe_ray_error(e)}") from None
 
 
 def _get_failing_fast(refs: list, timeout_s: float) -> list:

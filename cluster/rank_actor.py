@@ -1,8 +1,10 @@
 """The Ray actor hosting one tensor-parallel rank of a worker group.
 
 The actor does no CUDA work in ``__init__``: Ray has set ``CUDA_VISIBLE_DEVICES`` for a GPU actor
-by then, but the device is first touched in ``load``. Every method is driven by the group's
-leader, in the same order on every rank, so collectives never interleave.
+by then, but the device is first touched in ``load``. The start-up methods are driven by the
+driver-side group, in the same order on every rank, so collectives never interleave. After
+capture, rank 0 (the leader) runs steps and rank i > 0 runs :meth:`RankActor.follow`, a call on a
+thread of its own that carries out the leader's orders until the generation ends.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import os
 import socket
 from datetime import timedelta
 
+import ray
+
 from cluster.config import GroupConfig
 from cluster.rank import RankInfo
+from cluster.step_channel import LeaderExecutor, StepChannel, follow
 from worker.step_message import StepMessage, StepResult
 
 
@@ -25,10 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RankActor:
     """One rank: a :class:`worker.worker.Worker` on a tensor-parallel slice of the model."""
 
+    #: ``loop``: the call that lasts a generation (a follower's :meth:`follow`), beside the default
+    #: thread that answers pings, metrics and shutdown.
+    concurrency_groups = {"loop": 1}
+
     def __init__(self, info: RankInfo, config: dict) -> None:
         self.info = info
         self.config = GroupConfig.from_dict(config)
         self.worker = None
+        self.channel: StepChannel | None = None
+        self.executor: LeaderExecutor | None = None
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
     def rendezvous_address(self) -> str:
@@ -46,6 +57,8 @@ class RankActor:
                                 world_size=self.info.world_size, timeout=timedelta(seconds=timeout_s))
         warm = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
         dist.all_reduce(warm)  # communicator warm-up before any capture
+        if self.info.world_size > 1:
+            self.channel = StepChannel(self.info.rank, self.info.world_size)
         return self.info.name
 
     def load(self) -> int:
@@ -71,14 +84,28 @@ class RankActor:
 
     def capture(self) -> None:
         self.worker.capture()
+        if self.info.rank == 0:
+            self.executor = LeaderExecutor(self.worker, self.channel)
 
     def arch(self):
         return self.worker.arch
 
-    def execute(self, msg: StepMessage) -> StepResult | None:
-        """Run one step; only rank 0 returns its result (every rank computed the same tokens)."""
-        result = self.worker.execute(msg)
-        return result if self.info.rank == 0 else None
+    def execute(self, msg: StepMessage) -> StepResult:
+        """Leader: hand one step to the followers and run it (a bare group's engine calls this)."""
+        if self.executor is None:
+            raise RuntimeError(f"{self.info.name} is not a started leader: steps go to rank 0 after capture")
+        return self.executor.execute(msg)
+
+    @ray.method(concurrency_group="loop")
+    def follow(self) -> None:
+        """Follower: carry out the leader's orders until it says stop (see :mod:`cluster.step_channel`)."""
+        follow(self.channel, self.worker, self._stage_local, self._import_local)
+
+    def _stage_local(self, transfer_id: str, pages: list[int]) -> None:
+        raise RuntimeError(f"{self.info.name} moves no KV pages (not a fleet rank)")
+
+    def _import_local(self, pages: list[int], transport: str, item) -> None:
+        raise RuntimeError(f"{self.info.name} moves no KV pages (not a fleet rank)")
 
     def profile_step(self, msg: StepMessage) -> dict:
         """Run one step under the torch profiler; returns the CUDA kernel and CPU op names seen."""
@@ -108,9 +135,13 @@ class RankActor:
         return self.info.name
 
     def shutdown(self) -> None:
-        """Graphs first, then the process group (graphs may have recorded its collectives)."""
+        """Leader: stop the followers first. Graphs, then the process group (graphs may have recorded
+        its collectives)."""
         import torch.distributed as dist
 
+        if self.executor is not None:
+            executor, self.executor = self.executor, None
+            executor.shutdown()
         if self.worker is not None:
             self.worker.shutdown()
         if dist.is_initialized():

@@ -70,12 +70,13 @@ class Router:
         self.queue: deque[FleetRequest] = deque()
         self.handoffs: deque[FleetRequest] = deque()
 
-    def _pages(self, num_tokens: int) -> int:
+    def pages(self, num_tokens: int) -> int:
+        """KV pages that ``num_tokens`` tokens take."""
         return -(-num_tokens // self.page_size)
 
     def _fits(self, load: GroupLoad, num_kv_tokens: int) -> bool:
         return (load.ready and load.running < load.max_running
-                and load.free_pages - self._pages(num_kv_tokens) >= load.running)
+                and load.free_pages - self.pages(num_kv_tokens) >= load.running)
 
     def pick_prefill(self, loads: Iterable[GroupLoad], request: FleetRequest) -> GroupLoad | None:
         """The prefill (or colocated) group to prefill ``request`` on now, or None to keep it queued."""
@@ -90,5 +91,5 @@ class Router:
     def assign(self, load: GroupLoad, request: FleetRequest, num_kv_tokens: int, tokens: int) -> None:
         """Account ``request`` (``num_kv_tokens`` of KV, ``tokens`` of work) to ``load``."""
         load.running += 1
-        load.free_pages -= self._pages(num_kv_tokens)
+        load.free_pages -= self.pages(num_kv_tokens)
         load.outstanding_tokens += tokens

@@ -152,7 +152,6 @@ def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpo
     prompts = [[5, 6, 7, 8, 9], [300, 301, 302]]
     expected = [o.token_ids for o in Engine(_config(path, 1)).generate(prompts, params)]
     cfg = _config(path, 1, "cluster.step_timeout_s=3")
-    assert cfg.cluster.compiled_graph
     group = WorkerGroup(cfg)
     engine = Engine(cfg, executor=group)
     try:

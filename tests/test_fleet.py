@@ -23,7 +23,7 @@ from cluster.fleet_request import FleetRequest  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
 from cluster.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
 from deploy.config import Config, ConfigError, load_config  # noqa: E402
-from tests.fleet_probes import fleet_group  # noqa: E402
+from tests.fleet_probes import fleet_group, group_ids  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
 from worker.outputs import FailureKind  # noqa: E402
@@ -228,7 +228,8 @@ def test_colocated_matches_engine(ray_local, path, reference):
 def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
     health = disagg.health()
     assert health["status"] == "ready"
-    assert {s.role: s.engine.async_scheduling for s in disagg.members} == {"prefill": False, "decode": True}
+    assert {s.role: s.group.config.scheduler.async_scheduling for s in disagg.members} == \
+        {"prefill": False, "decode": True}
     assert {g: v["role"] for g, v in health["groups"].items()} == {"dis-p0": "prefill", "dis-d0": "decode"}
     prompts = _prompts(6, seed=2)
     outs = disagg.generate(prompts, GREEDY, timeout_s=120)
@@ -248,9 +249,20 @@ def test_disaggregated_matches_engine_greedy_and_seeded(disagg, reference):
     assert [ev.finished for ev in events].count(True) == 1
 
 
-def test_fleet_loads_the_tokenizer_once_for_all_its_engines(disagg):
-    assert disagg.tokenizer is not None
-    assert all(s.engine.tokenizer is disagg.tokenizer for s in disagg.members)
+def test_each_group_runs_its_engine_loop_in_its_leader_process(disagg):
+    """The scheduler lives beside rank 0: every group's engine loop runs in its leader's process,
+    none in the fleet's."""
+    import os
+
+    def where(actor):
+        host = actor.host
+        return os.getpid(), host is not None and host.running, host.engine.tokenizer is not None
+
+    for gid in group_ids(disagg):
+        pid, running, detokenizes = ray.get(fleet_group(disagg, gid).rank_actors()[0].__ray_call__.remote(where),
+                                            timeout=30)
+        assert pid != os.getpid() and running and detokenizes, gid
+    assert disagg.tokenizer is not None  # the fleet's own, for text prompts
 
 
 @pytest.mark.timeout(240)

@@ -1,0 +1,237 @@
+"""A group's engine loop, run in the process of its leader rank (rank 0).
+
+The engine (scheduler, step pipeline, sampling read-back, detokenization) lives beside the
+leader's worker, so a step costs no round trip between the fleet and the ranks: the leader hands
+each step to its followers (:mod:`cluster.step_channel`) and runs it itself. The fleet talks to the
+engine only through two queues:
+
+- *commands in*: numbered batches (:class:`cluster.group_messages.Admit`, ``Prefilled``, ``Abort``)
+  put by a Ray call on a thread of their own, applied by the loop in number order between steps;
+- *reports out*: what the loop did since the last poll (:class:`cluster.group_messages.GroupReport`),
+  taken by the fleet's long poll on another thread; one poll answer carries every step done since
+  the previous one, so the fleet never sees more than one message per step.
+
+One thread (the loop) owns the engine. A thread waiting for work or for a report sleeps on a
+condition; nothing polls. An exception from a step ends the loop: the group is dead, and the
+fleet, which watches the loop's Ray call, fails it and moves its requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from cluster.group_messages import Abort, Admit, EngineLoad, GroupReport, Prefilled, Refused, Staged
+from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
+from worker.engine import Engine
+from worker.outputs import FailureKind, RequestEvent
+from worker.request import Request, RequestRejected
+from worker.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    """The engine loop of one generation of a group, on its leader.
+
+    ``stage(transfer_id, pages)`` copies pages on this rank for a hand-off; ``resolve(transport,
+    shards, timeout_s)`` turns a :class:`Prefilled` request's shards into one item per rank (and
+    starts the senders, for point-to-point transports); ``import_shard(pages, transport, item)``
+    writes this rank's item into pages.
+    """
+
+    def __init__(self, config, executor: LeaderExecutor, role: str, max_model_len: int,
+                 stage: Callable[[str, list[int]], None], resolve: Callable, import_shard: Callable) -> None:
+        self.role, self.executor = role, executor
+        self.engine = Engine(config, executor=executor, tokenizer=load_tokenizer(config.model.path))
+        self.engine.cap_max_model_len(max_model_len)
+        self._stage, self._resolve, self._import_shard = stage, resolve, import_shard
+        self._cond = threading.Condition()
+        self._inbox: dict[int, list] = {}  # batch number -> commands (applied in number order)
+        self._applied = 0
+        self._report = GroupReport()
+        self._new = False  # the report has something a poll should not wait for
+        self._stopping = False
+        self._step_started: float | None = None
+        self._pending = GroupReport()  # what the loop did since its last publish (the loop's own)
+        self._error: str | None = None
+        self.running = False  #: whether :meth:`run` is on (shutdown waits for it to end)
+
+    # ----- called by the fleet (other threads) -----
+
+    def put(self, number: int, commands: list) -> None:
+        """Queue command batch ``number`` (batches are applied in number order, from 1)."""
+        with self._cond:
+            self._inbox[number] = commands
+            self._cond.notify_all()
+
+    def take_report(self, wait_s: float) -> GroupReport:
+        """What happened since the last call; waits up to ``wait_s`` for something to happen."""
+        end = time.monotonic() + wait_s
+        with self._cond:
+            while not self._new and not self._stopping and (left := end - time.monotonic()) > 0:
+                self._cond.wait(left)
+            report, self._report, self._new = self._report, GroupReport(), False
+            report.applied = self._applied
+            report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
+            report.loop_error = self._error
+            return report
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    # ----- the loop -----
+
+    def run(self) -> None:
+        """Apply commands and step until :meth:`stop`; a failed step raises (the group is dead)."""
+        self.running = True
+        try:
+            self._publish([])
+            while True:
+                with self._cond:
+                    while not self._stopping and self._applied + 1 not in self._inbox \
+                            and not self.engine.has_unfinished():
+                        self._cond.wait(1.0)
+                    if self._stopping:
+                        return
+                    batches = []
+                    while self._applied + 1 in self._inbox:
+                        self._applied += 1
+                        batches.append(self._inbox.pop(self._applied))
+                for commands in batches:
+                    for command in commands:
+                        self._apply(command)
+                if self.engine.has_unfinished():
+                    with self._cond:
+                        self._step_started = time.monotonic()
+                    events = self.engine.step()
+                    with self._cond:
+                        self._step_started = None
+                    self._publish(events)
+                else:
+                    self._publish([])
+        except BaseException as e:
+            with self._cond:
+                self._error = f"{type(e).__name__}: {e}"
+                self._new = True
+                self._cond.notify_all()
+            raise
+        finally:
+            self.running = False
+
+    def _apply(self, command) -> None:
+        if isinstance(command, Admit):
+            self._admit(command)
+        elif isinstance(command, Prefilled):
+            self._admit_prefilled(command)
+        elif isinstance(command, Abort):
+            if self.engine.abort(command.engine_id):
+                self.engine.release(command.engine_id)
+        else:
+            raise TypeError(f"unknown command {type(command).__name__}")
+
+    def _admit(self, c: Admit) -> None:
+        on_first_token = self._stage_for_hand_off if c.hand_off else None
+        try:
+            self.engine.admit(c.prompt_ids, c.params, seed=c.seed, request_id=c.engine_id, output_ids=c.output_ids,
+                              logprobs=c.logprobs, on_first_token=on_first_token)
+        except RequestRejected as e:
+            # The fleet checked the prompt against the same limits: only a broken invariant lands here.
+            self._pending.events.append(RequestEvent(c.engine_id, [], "", True, "error", None,
+                                                     f"rejected by the group: {e}", FailureKind.REJECTED))
+
+    def _admit_prefilled(self, c: Prefilled) -> None:
+        e = self.engine
+        num_kv = len(c.prompt_ids) + len(c.output_ids) - 1
+        need = -(-num_kv // e.config.cache.page_size)
+        if len(e.scheduler.running) >= e.config.scheduler.max_running_requests or not e.allocator.can_allocate(need):
+            self._refuse(Refused(c.engine_id, "no_room", f"{len(e.scheduler.running)} running, "
+                                                        f"{e.allocator.num_free} pages free, {need} needed"))
+            return
+        try:
+            items = self._resolve(c.transport, c.shards, c.timeout_s)
+        except Exception as err:  # noqa: BLE001 - nothing was written: the fleet re-prefills it
+            self._refuse(Refused(c.engine_id, "transfer_failed", f"KV for the import did not arrive: "
+                                                                 f"{type(err).__name__}: {err}"))
+            return
+        ordered: list[bool] = []  # whether the followers were told to import (their state is then unknown)
+
+        def import_kv(pages: list[int]) -> None:
+            channel = self.executor.channel
+            if channel is not None:
+                channel.send((IMPORT, list(pages), c.transport))
+                ordered.append(True)
+                mine = channel.scatter(items)
+            else:
+                mine = items[0]
+            self._import_shard(list(pages), c.transport, mine)
+
+        try:
+            e.add_prefilled_request(c.prompt_ids, c.output_ids, c.params, seed=c.seed, request_id=c.engine_id,
+                                    logprobs=c.logprobs, import_kv=import_kv)
+        except RequestRejected as err:
+            self._refuse(Refused(c.engine_id, "rejected", str(err)))
+            return
+        except Exception as err:  # noqa: BLE001 - any failure of the transfer: the fleet re-prefills it
+            timed_out = "timed out" in str(err).lower() or "timeout" in type(err).__name__.lower()
+            self._refuse(Refused(c.engine_id, "transfer_failed",
+                                 f"KV import into this group failed: {type(err).__name__}: {err}",
+                                 fail_group=bool(ordered) or timed_out))
+            return
+        self._pending.accepted.append(c.engine_id)
+
+    def _refuse(self, refused: Refused) -> None:
+        self._pending.refused.append(refused)
+
+    def _stage_for_hand_off(self, req: Request) -> None:
+        # Runs inside the engine's step, before the request's pages are freed; must not raise.
+        # Followers stage on receiving the order, which they run before any later step's.
+        pages, num_tokens = list(req.pages), req.num_computed
+        transfer_id = uuid.uuid4().hex
+        try:
+            channel = self.executor.channel
+            if channel is not None:
+                channel.send((STAGE, transfer_id, pages))
+            self._stage(transfer_id, pages)
+            self._pending.staged[req.request_id] = Staged(transfer_id, len(pages), num_tokens)
+        except Exception as e:  # noqa: BLE001 - reported: the fleet re-prefills the request
+            self._pending.staged[req.request_id] = Staged(None, len(pages), num_tokens,
+                                                          f"KV export failed: {type(e).__name__}: {e}")
+
+    def _publish(self, events: list[RequestEvent]) -> None:
+        e = self.engine
+        for i, ev in enumerate(events):
+            if ev.finished or ev.finish_reason == "handoff":
+                if ev.finish_reason == "error" and ev.error is None:
+                    events[i] = dataclasses.replace(ev, error=e.errors.get(ev.request_id),
+                                                    failure=FailureKind.GROUP_FAILED)
+                e.release(ev.request_id)
+        load, p = self._load(), self._pending
+        p.events.extend(events)
+        self._pending = GroupReport()
+        with self._cond:
+            r = self._report
+            r.events.extend(p.events)
+            r.staged.update(p.staged)
+            r.accepted.extend(p.accepted)
+            r.refused.extend(p.refused)
+            changed = r.load != load
+            r.load = load
+            if p.events or p.staged or p.accepted or p.refused or changed:
+                self._new = True
+                self._cond.notify_all()
+
+    def _load(self) -> EngineLoad:
+        e = self.engine
+        s = e.scheduler
+        reqs = list(s.running) + list(s.waiting)
+        prefill = sum(r.num_tokens - r.num_computed for r in reqs if r.prefilling)
+        decode = 0 if self.role == "prefill" else sum(
+            max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens)) for r in reqs)
+        return EngineLoad(e.num_free_pages, e.allocator.num_usable, len(reqs), prefill + decode)
