@@ -7,7 +7,8 @@ stats: scheduling, the step, sampling read-back and detokenization, as in-proces
 ``delivered_step_ms`` is what the fleet's clients see: ``batch`` over the tokens per second that
 reach their request handles in a window of steady decoding (the fleet loop, the reports and the
 event delivery included). Without a GPU it runs the same comparison on the CPU (graphs off) with
-``--preset tiny-llama``.
+``--preset tiny-llama``. ``leader_interval_ms`` is the window over the leader's steps in it
+(a step's own time plus whatever the loop does between steps).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 
 
-def _leader_steps(actor, batch: int, since: int) -> list[float]:
+def _leader_stats(actor) -> list[tuple[str, int, float]]:
+    """(phase, batch size, seconds) of every step the leader's engine has kept."""
     def steps(a):
         return [(s.phase, s.batch_size, s.duration_s) for s in list(a.host.engine.step_stats)]
 
-    stats = ray.get(actor.__ray_call__.remote(steps), timeout=60)
-    return [d for phase, b, d in stats[since:] if phase == "decode" and b == batch]
+    return ray.get(actor.__ray_call__.remote(steps), timeout=60)
 
 
 def fleet_decode(fleet: Fleet, batch: int, context: int, window_s: float, vocab: int) -> dict[str, float]:
@@ -54,17 +55,19 @@ def fleet_decode(fleet: Fleet, batch: int, context: int, window_s: float, vocab:
             if time.monotonic() > end:
                 raise RuntimeError("the fleet's streams did not start decoding within 600 s")
             time.sleep(0.05)
-        since = len(ray.get(leader.__ray_call__.remote(lambda a: list(a.host.engine.step_stats)), timeout=60))
+        since = len(_leader_stats(leader))
         t0 = time.monotonic()
         time.sleep(window_s)
         t1 = time.monotonic()
+        stats = _leader_stats(leader)[since:]
         delivered = sum(sum(1 for t in h.token_times if t0 <= t < t1) for h in handles)
-        leader_steps = _leader_steps(leader, batch, since)
     finally:
         for h in handles:
             h.abort()
-    return {"leader_step_s": statistics.median(leader_steps), "delivered_step_s": batch * (t1 - t0) / delivered,
-            "leader_steps": len(leader_steps)}
+    decode = [d for phase, b, d in stats if phase == "decode" and b == batch]
+    return {"leader_step_s": statistics.median(decode), "delivered_step_s": batch * (t1 - t0) / delivered,
+            "leader_interval_s": (t1 - t0) / len(stats), "leader_steps": len(stats),
+            "other_steps": len(stats) - len(decode)}
 
 
 def main() -> None:
@@ -100,10 +103,11 @@ def main() -> None:
         loc, fl = local_times[b], fleet_times[b]
         rows.append({
             "preset": args.preset, "batch": b, "in_process_ms": loc["step_s"] * 1e3,
-            "leader_step_ms": fl["leader_step_s"] * 1e3, "delivered_step_ms": fl["delivered_step_s"] * 1e3,
+            "leader_step_ms": fl["leader_step_s"] * 1e3, "leader_interval_ms": fl["leader_interval_s"] * 1e3,
+            "delivered_step_ms": fl["delivered_step_s"] * 1e3,
             "leader_over_in_process": fl["leader_step_s"] / loc["step_s"],
             "delivered_over_in_process": fl["delivered_step_s"] / loc["step_s"],
-            "leader_steps": fl["leader_steps"]})
+            "leader_steps": fl["leader_steps"], "other_steps": fl["other_steps"]})
     print_table(rows, list(rows[0]))
     print(f"wrote {write_results('actor_overhead', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 

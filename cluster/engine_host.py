@@ -76,6 +76,7 @@ class EngineHost:
             while not self._new and not self._stopping and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
             report, self._report, self._new = self._report, GroupReport(), False
+            report.events = merge_events(report.events)
             report.applied = self._applied
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
@@ -235,3 +236,20 @@ class EngineHost:
         decode = 0 if self.role == "prefill" else sum(
             max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens)) for r in reqs)
         return EngineLoad(e.num_free_pages, e.allocator.num_usable, len(reqs), prefill + decode)
+
+
+def merge_events(events: list[RequestEvent]) -> list[RequestEvent]:
+    """One event per request: the steps since the last poll, in order (tokens, text and
+    log-probabilities concatenated; the last one's ending). A lagging reader then costs one event
+    per request however many steps it missed."""
+    merged: dict[str, RequestEvent] = {}
+    for ev in events:
+        prev = merged.get(ev.request_id)
+        if prev is None:
+            merged[ev.request_id] = ev
+            continue
+        logprobs = None if prev.logprobs is None and ev.logprobs is None else \
+            (prev.logprobs or []) + (ev.logprobs or [])
+        merged[ev.request_id] = RequestEvent(ev.request_id, prev.token_ids + ev.token_ids, prev.text + ev.text,
+                                             ev.finished, ev.finish_reason, logprobs, ev.error, ev.failure)
+    return list(merged.values())

@@ -338,7 +338,7 @@ class FleetLoop:
                 final = dataclasses.replace(ev, request_id=fr.request_id, failure=failure)
                 self._end(fr, ev.finish_reason, ev.error, final, failure)
             else:
-                fr.deliver(dataclasses.replace(ev, request_id=fr.request_id))
+                fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
         for engine_id in report.accepted:
             fr = member.assigned.get(engine_id)
             if fr is not None:
