@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 from bench.common import decode_step_breakdown, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from cluster.fleet import Fleet  # noqa: E402
 from deploy.config import load_config  # noqa: E402
+from fleet.fleet import Fleet  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 

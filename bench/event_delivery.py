@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import environment, print_table, write_results  # noqa: E402
-from cluster.fleet_request import EventSink, Wakeups  # noqa: E402
+from fleet.request import EventSink, Wakeups  # noqa: E402
 
 
 def run(readers: int, steps: int, step_s: float, deferred: bool) -> dict:

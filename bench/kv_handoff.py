@@ -25,10 +25,10 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from cluster.fleet_config import role_config  # noqa: E402
 from cluster.fleet_group import FleetWorkerGroup  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
 from deploy.config import load_config  # noqa: E402
+from fleet.config import role_config  # noqa: E402
 
 DEFAULT_LENGTHS = "128,256,512,1024,2048,4096,8192"
 

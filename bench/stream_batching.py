@@ -3,9 +3,10 @@
 One run: the in-process engine's decode step at ``--batch`` requests, then for each interval of
 ``--intervals`` (``serve.stream_batching_interval_ms``) an app on one local Ray Serve, ``--batch``
 streamed completions sent at once, and from /proc the CPU seconds per output token, while they
-ran, of the Serve replica's HTTP side (every thread but the fleet loop: the API, streaming,
-Serve's request handling), of its fleet loop thread (scheduling, detokenising, delivering, and
-waiting on the ranks: Ray's compiled-graph channel read polls, so waiting costs CPU too) and of
+ran, of the Serve replica's HTTP side (every thread but the fleet's: the API, streaming, Serve's
+request handling), of its fleet threads (the fleet loop: routing and delivering events; each
+group's report receiver), of the group's engine loop thread on its leader rank (scheduling, the
+step's launch, waiting on it, detokenizing) and of the rest of that rank process, and of
 Serve's HTTP proxy. The apps run one
 after the other (each is deleted before the next starts), so they never share the device.
 
@@ -53,11 +54,12 @@ def threads_cpu_s(title: str) -> dict[str, float]:
     return out
 
 
-def cpu_split(before: dict[str, float], after: dict[str, float], loop_thread: str) -> tuple[float, float]:
-    """(CPU seconds of ``loop_thread``, of every other thread) between two :func:`threads_cpu_s`."""
+def cpu_split(before: dict[str, float], after: dict[str, float], *prefixes: str) -> tuple[float, float]:
+    """(CPU seconds of the threads whose names start with one of ``prefixes``, of every other
+    thread) between two :func:`threads_cpu_s`."""
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    loop = delta.pop(loop_thread, 0.0)
-    return loop, sum(delta.values())
+    mine = sum(v for k, v in delta.items() if prefixes and k.startswith(prefixes))
+    return mine, sum(delta.values()) - mine
 
 
 def measure(base: str, app: str, args: argparse.Namespace, vocab: int, in_process_tps: float) -> dict:
@@ -65,12 +67,13 @@ def measure(base: str, app: str, args: argparse.Namespace, vocab: int, in_proces
     for ids in random_prompts(2, args.input_len, vocab, args.seed + 1):  # first kernels and shapes
         asyncio.run(run_load(base, model, [ids], 16, float("inf"), args.seed))
     prompts = random_prompts(args.batch, args.input_len, vocab, args.seed + 7)
-    titles = {"replica": f"ServeReplica:{app}:", "proxy": "ProxyActor"}
+    titles = {"replica": f"ServeReplica:{app}:", "proxy": "ProxyActor", "rank": "FleetRankActor"}
     before = {k: threads_cpu_s(t) for k, t in titles.items()}
     records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, float("inf"), args.seed))
     after = {k: threads_cpu_s(t) for k, t in titles.items()}
-    loop_s, serving_s = cpu_split(before["replica"], after["replica"], "graphfleet-loop")
-    proxy_s = sum(cpu_split(before["proxy"], after["proxy"], "")[1:])
+    loop_s, serving_s = cpu_split(before["replica"], after["replica"], "graphfleet-loop", "reports-")
+    proxy_s = sum(cpu_split(before["proxy"], after["proxy"]))
+    engine_s, rank_rest_s = cpu_split(before["rank"], after["rank"], "engine-loop")
     stats = summarize(records, duration, None, None)
     tokens = sum(r.output_tokens for r in records if r.ok)
     chunks = sum(len(r.token_times) for r in records if r.ok)
@@ -80,6 +83,9 @@ def measure(base: str, app: str, args: argparse.Namespace, vocab: int, in_proces
             "tokens_per_chunk": tokens / chunks if chunks else None,
             "replica_http_cpu_us_per_token": serving_s / tokens * 1e6 if tokens else None,
             "fleet_loop_cpu_us_per_token": loop_s / tokens * 1e6 if tokens else None,
+            "engine_loop_cpu_us_per_token": engine_s / tokens * 1e6 if tokens else None,
+            "engine_loop_core_share": engine_s / duration if duration else None,
+            "rank_other_cpu_us_per_token": rank_rest_s / tokens * 1e6 if tokens else None,
             "proxy_cpu_us_per_token": proxy_s / tokens * 1e6 if tokens else None,
             **{k: stats[k] for k in ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms")}}
 
@@ -125,7 +131,7 @@ def main() -> None:
           f"({in_process['step_ms']:.2f} ms per step)")
     print_table(rows, ["interval_ms", "serve_tokens_per_s", "serve_over_in_process", "tokens_per_chunk",
                        "replica_http_cpu_us_per_token", "fleet_loop_cpu_us_per_token", "proxy_cpu_us_per_token",
-                       "ttft_p50_ms", "tpot_p50_ms",
+                       "engine_loop_cpu_us_per_token", "engine_loop_core_share", "ttft_p50_ms", "tpot_p50_ms",
                        "itl_p50_ms", "itl_p99_ms"])
     out = write_results("stream_batching", {"env": environment(), "args": vars(args), "overrides": overrides,
                                             "in_process": in_process, "rows": rows})

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from cluster.group_messages import Abort, Admit, EngineLoad, GroupReport, Prefilled, Refused, Staged
 from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
+from cluster.threads import name_os_thread
 from worker.engine import Engine
 from worker.outputs import FailureKind, RequestEvent
 from worker.request import Request, RequestRejected
@@ -92,6 +93,7 @@ class EngineHost:
     def run(self) -> None:
         """Apply commands and step until :meth:`stop`; a failed step raises (the group is dead)."""
         self.running = True
+        name_os_thread("engine-loop")
         try:
             self._publish([])
             while True:

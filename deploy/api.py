@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.fleet import FleetClosed, Overloaded
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
@@ -35,6 +34,7 @@ from deploy.streaming import (
     completion_stream,
     sse_response,
 )
+from fleet.fleet import FleetClosed, Overloaded
 from worker.request import RequestRejected
 
 log = logging.getLogger(__name__)

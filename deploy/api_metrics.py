@@ -5,7 +5,7 @@ Each app has its own registry (label ``model_name``), served at ``/metrics`` tog
 rank's ``cuda_graph_*`` metrics (see :mod:`deploy.metrics_merge`).
 
 Token timing comes from the fleet, not from the HTTP side: the fleet's loop stamps each event
-that carries tokens as it delivers it (:attr:`cluster.fleet.RequestHandle.token_times`), for
+that carries tokens as it delivers it (:attr:`fleet.fleet.RequestHandle.token_times`), for
 streamed and non-streamed requests alike. ``time_to_first_token_seconds`` is the first stamp
 minus the request's arrival at the API; ``inter_token_latency_seconds`` gets one observation per
 later event (the gap to the one before; an event is one engine step, one token per request).
@@ -79,7 +79,7 @@ class ApiMetrics:
         self.e2e.labels(m).observe(time.monotonic() - t0)
 
     def observe_fleet(self, health: dict) -> None:
-        """Refresh the gauges from :meth:`cluster.fleet.Fleet.health`."""
+        """Refresh the gauges from :meth:`fleet.fleet.Fleet.health`."""
         queued = health.get("queued") or 0
         self.waiting.labels(self.model_name).set(queued)
         self.running.labels(self.model_name).set(max(0, (health.get("in_flight") or 0) - queued))

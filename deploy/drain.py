@@ -2,7 +2,7 @@
 begun and counts the responses still open, so the drain knows when the last stream has been sent.
 
 :meth:`deploy.serve_app.OpenAIIngress.drain` closes the gate, drains the fleet
-(:meth:`cluster.fleet.Fleet.drain`) and waits for :attr:`Admission.open` to reach 0.
+(:meth:`fleet.fleet.Fleet.drain`) and waits for :attr:`Admission.open` to reach 0.
 """
 
 from __future__ import annotations

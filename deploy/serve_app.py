@@ -1,4 +1,4 @@
-"""The Ray Serve application: one FastAPI ingress replica that owns a :class:`cluster.fleet.Fleet`.
+"""The Ray Serve application: one FastAPI ingress replica that owns a :class:`fleet.fleet.Fleet`.
 
 ``serve run deploy.serve_app:app_builder config=path.yaml model=/ckpt`` or ``serve run deploy/serve.yaml``.
 The replica starts the fleet from its constructor, in a background thread (the worker groups are Ray
@@ -55,7 +55,7 @@ def build_config(args: dict[str, Any]):
 
 
 class StartingFleet:
-    """A :class:`cluster.fleet.Fleet` started in a background thread, so the API answers (503) while it starts.
+    """A :class:`fleet.fleet.Fleet` started in a background thread, so the API answers (503) while it starts.
 
     Until the fleet is up, :meth:`health` reports ``starting`` with each group's phase so far
     (``starting``: placement, rendezvous, load; ``capturing``; ``ready``) and, while a group's
@@ -63,7 +63,7 @@ class StartingFleet:
     cluster has free), or ``dead`` with the error if the start failed (``draining``, then
     ``stopped``, once :meth:`drain` has begun), and ``ready`` is False;
     afterwards every attribute is the fleet's. ``fleet_options`` and ``tokenizer`` are passed to
-    :meth:`cluster.fleet.Fleet.start`.
+    :meth:`fleet.fleet.Fleet.start`.
     """
 
     def __init__(self, config, fleet_options: dict, tokenizer=None) -> None:
@@ -77,7 +77,7 @@ class StartingFleet:
         self._thread.start()
 
     def _start(self, config, fleet_options: dict, tokenizer) -> None:
-        from cluster.fleet import Fleet
+        from fleet.fleet import Fleet
 
         def on_state(group_id: str, state, waiting) -> None:
             self._phases[group_id] = (state.value, waiting)
@@ -111,9 +111,9 @@ class StartingFleet:
         return {"status": "starting", "groups": groups, "queued": 0, "in_flight": 0}
 
     def drain(self, timeout_s: float):
-        """:meth:`cluster.fleet.Fleet.drain`; a start still under way is cancelled first and waited for
+        """:meth:`fleet.fleet.Fleet.drain`; a start still under way is cancelled first and waited for
         (at most ``timeout_s``: it ends at its next look), and the fleet drained if it came up meanwhile."""
-        from cluster.fleet import DrainReport
+        from fleet.fleet import DrainReport
 
         started = time.monotonic()
         self._draining = True
@@ -126,11 +126,11 @@ class StartingFleet:
         return DrainReport(0, 0, time.monotonic() - started)
 
     def rank_metrics(self, timeout_s: float = 1.0) -> list[bytes]:
-        """:meth:`cluster.fleet.Fleet.rank_metrics`; none while the fleet starts."""
+        """:meth:`fleet.fleet.Fleet.rank_metrics`; none while the fleet starts."""
         return self._fleet.rank_metrics(timeout_s) if self._fleet is not None else []
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Cancel a start still under way (it ends at its next look: see :meth:`cluster.fleet.Fleet.start`),
+        """Cancel a start still under way (it ends at its next look: see :meth:`fleet.fleet.Fleet.start`),
         wait for it at most ``timeout_s`` (None: until it ends), then shut the fleet down."""
         self._cancel.set()
         self._thread.join(timeout_s)
@@ -145,7 +145,7 @@ class StartingFleet:
 
 
 #: Seconds beyond ``serve.drain_timeout_s`` that a replica's shutdown may take: aborting what is left
-#: (``cluster.fleet.DRAIN_ABORT_WAIT_S``), sending the last responses, shutting every group down.
+#: (``fleet.fleet.DRAIN_ABORT_WAIT_S``), sending the last responses, shutting every group down.
 SHUTDOWN_MARGIN_S = 30.0
 #: Seconds the drain waits for the last responses to be sent once the fleet has ended every request.
 RESPONSE_FLUSH_S = 5.0
@@ -215,7 +215,7 @@ class OpenAIIngress:
         New API requests get 503 (code ``draining``, ``Retry-After``); requests in flight get ``timeout_s``
         (None: ``serve.drain_timeout_s``) to finish, then end with finish_reason "abort" and an error in
         their stream (a non-streamed one: 503); once their responses are sent, every rank and placement
-        group is released (:meth:`cluster.fleet.Fleet.drain`). Returns ``finished``, ``aborted``,
+        group is released (:meth:`fleet.fleet.Fleet.drain`). Returns ``finished``, ``aborted``,
         ``seconds`` and ``flushed`` (every response sent). A second call waits for the first.
         """
         if self._drain_task is None:
@@ -249,6 +249,6 @@ def deployment(config) -> serve.Deployment:
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """The application for ``serve run deploy.serve_app:app_builder`` (args: see :func:`build_config`,
-    plus ``fleet``: a dict of ``Fleet.start`` options, see :func:`cluster.fleet_config.apply_fleet_options`)."""
+    plus ``fleet``: a dict of ``Fleet.start`` options, see :func:`fleet.config.apply_fleet_options`)."""
     config = build_config(args)
     return deployment(config).bind(config.to_dict(), dict(args.get(_FLEET_KEYS) or {}))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.fleet import Fleet
 from cluster.fleet_group import FleetWorkerGroup
+from fleet.fleet import Fleet
 
 
 def group_ids(fleet: Fleet) -> list[str]:

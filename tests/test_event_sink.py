@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from cluster.fleet_request import EventSink, FleetRequest, Wakeups
-from cluster.request_handle import RequestHandle
+from fleet.handle import RequestHandle
+from fleet.request import EventSink, FleetRequest, Wakeups
 from worker.outputs import RequestEvent
 from worker.sampling.params import SamplingParams
 

@@ -17,12 +17,12 @@ import pytest
 import ray  # noqa: E402 - a hard requirement: the cluster tests must not skip
 import torch
 
-from cluster.fleet import Fleet  # noqa: E402
-from cluster.fleet_config import FleetConfig, apply_fleet_options, group_layout, role_config  # noqa: E402
-from cluster.fleet_request import FleetRequest  # noqa: E402
 from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
-from cluster.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
 from deploy.config import Config, ConfigError, load_config  # noqa: E402
+from fleet.config import FleetConfig, apply_fleet_options, group_layout, role_config  # noqa: E402
+from fleet.fleet import Fleet  # noqa: E402
+from fleet.request import FleetRequest  # noqa: E402
+from fleet.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
 from tests.fleet_probes import fleet_group, group_ids  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
@@ -494,7 +494,7 @@ def test_restart_killed_while_capturing_is_retried_until_a_generation_is_ready(r
 
 @pytest.mark.timeout(240)
 def test_drain_finishes_short_requests_aborts_long_ones_and_releases_every_group(ray_local, path):
-    from cluster.fleet import FleetClosed, FleetDraining
+    from fleet.fleet import FleetClosed, FleetDraining
 
     fleet = Fleet.start(_config(path), mode="disaggregated", name="drn")
     pg_names = {f"graphfleet-{s.group_id}-0" for s in fleet.members}

@@ -9,8 +9,8 @@ import pytest
 ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 
-from cluster.fleet import Fleet  # noqa: E402
 from deploy.config import load_config  # noqa: E402
+from fleet.fleet import Fleet  # noqa: E402
 from tests.fleet_probes import fleet_group, group_ids  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402

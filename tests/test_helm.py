@@ -94,8 +94,8 @@ def test_rayservice_matches_kuberay_crd(case):
 def test_serve_config_builds_the_values_config(case):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.fleet_config import apply_fleet_options, group_layout, role_tp_size
     from deploy.serve_app import build_config
+    from fleet.config import apply_fleet_options, group_layout, role_tp_size
 
     _, values, docs = case
     (rayservice,) = by_kind(docs, "RayService")

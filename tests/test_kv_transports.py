@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.fleet import Fleet
 from cluster.kv_transport import KVTransportUnavailable
+from fleet.fleet import Fleet
 from tests.fleet_probes import fleet_group
 from tests.test_fleet import (  # noqa: F401 - fixtures are used by name
     GREEDY,

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Bottom to top: a package may import its own modules and those of packages below it.
-LAYERS = ("configkit", "graphs", "worker", "cluster", "deploy")
+LAYERS = ("configkit", "graphs", "worker", "cluster", "fleet", "deploy")
 
 
 def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:

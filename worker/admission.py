@@ -1,6 +1,6 @@
 """Prompt admission: what a prompt must be before any engine, fleet or API queues it.
 
-One check, one message per problem, used by :class:`worker.engine.Engine`, :class:`cluster.fleet.Fleet`
+One check, one message per problem, used by :class:`worker.engine.Engine`, :class:`fleet.fleet.Fleet`
 and the HTTP API (which answers each problem with a 400 naming the request field).
 """
 

@@ -92,6 +92,7 @@ class Worker:
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
         self._last_tokens: list[int] = []  # sampled by the last step (async scheduling's inputs)
+        self._host: tuple | None = None  # pinned read-back buffers and their blocking event (GPU)
         self._tc_step: CompiledPrefillStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
 
@@ -326,12 +327,36 @@ class Worker:
         if out is None:
             self._last_tokens = []
             return StepResult(rank_s=time.perf_counter() - start)
-        result = StepResult(out.token_ids.tolist(), out.logprobs.tolist() if out.logprobs is not None else None)
+        tokens, logprobs = self._read_back(out.token_ids, out.logprobs)
+        result = StepResult(tokens, logprobs)
         self._last_tokens = result.token_ids
         if msg.return_logits:
             result.logits = logits.float().cpu()
         result.rank_s = time.perf_counter() - start
         return result
+
+    def _read_back(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[list, list | None]:
+        """The step's sampled tokens (and log-probabilities) on the host: the step's one synchronisation.
+
+        On a GPU the copies go to pinned buffers and the thread then waits on a blocking CUDA event:
+        it sleeps until the step is done instead of spinning in the copy's synchronisation, so an
+        engine loop waiting on its step leaves its core to the rest of its process.
+        """
+        if token_ids.device.type != "cuda":
+            return token_ids.tolist(), logprobs.tolist() if logprobs is not None else None
+        n = token_ids.numel()
+        if self._host is None or self._host[0].numel() < n:
+            size = max(n, self.config.scheduler.max_running_requests)
+            self._host = (torch.empty(size, dtype=torch.int64, pin_memory=True),
+                          torch.empty(size, dtype=torch.float32, pin_memory=True),
+                          torch.cuda.Event(blocking=True))
+        host_tokens, host_logprobs, done = self._host
+        host_tokens[:n].copy_(token_ids, non_blocking=True)
+        if logprobs is not None:
+            host_logprobs[:n].copy_(logprobs, non_blocking=True)
+        done.record()
+        done.synchronize()
+        return host_tokens[:n].tolist(), host_logprobs[:n].tolist() if logprobs is not None else None
 
     def submit(self, msg: StepMessage) -> DeferredStep:
         """The step, run when its result is read (see :class:`worker.executor.DeferredStep`)."""

@@ -7,7 +7,7 @@
 
 Each group is a :class:`cluster.fleet_group.FleetWorkerGroup` whose leader rank runs the group's
 own :class:`worker.engine.Engine` (:mod:`cluster.engine_host`); one background thread
-(:mod:`cluster.fleet_loop`) routes requests (:mod:`cluster.router`) and moves them between groups,
+(:mod:`fleet.loop`) routes requests (:mod:`fleet.router`) and moves them between groups,
 exchanging one command batch and one report per group per iteration at most. Client calls are
 thread-safe: they validate and enqueue in the caller's thread and read events from a per-request queue.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -27,15 +26,16 @@ from dataclasses import dataclass
 import ray
 
 from cluster.config import GroupConfig
-from cluster.fleet_config import FleetConfig, apply_fleet_options, group_layout, role_config
 from cluster.fleet_group import FleetWorkerGroup
-from cluster.fleet_loop import FleetLoop, FleetMember
-from cluster.fleet_metrics import gather_rank_metrics
-from cluster.fleet_request import EventSink, FleetRequest
 from cluster.kv_transport import create_transport
 from cluster.rank import GroupState, GroupUnavailable, PlacementWait
-from cluster.request_handle import FleetClosed, FleetLink, RequestHandle
-from cluster.router import Overloaded, Router
+from cluster.threads import name_os_thread
+from fleet.config import FleetConfig, apply_fleet_options, group_layout, role_config
+from fleet.handle import FleetClosed, FleetLink, RequestHandle
+from fleet.loop import FleetLoop, FleetMember
+from fleet.metrics import gather_rank_metrics
+from fleet.request import EventSink, FleetRequest
+from fleet.router import Overloaded, Router
 from worker.admission import PromptLimits, encode_prompt
 from worker.outputs import RequestEvent, RequestOutput
 from worker.request import RequestRejected
@@ -101,7 +101,7 @@ class Fleet:
         """Start every group of the fleet (concurrently) and its loop.
 
         ``fleet_options`` are :class:`FleetConfig` fields and overrides of ``config``'s cluster keys
-        and ``max_waiting_requests`` (see :func:`cluster.fleet_config.apply_fleet_options`).
+        and ``max_waiting_requests`` (see :func:`fleet.config.apply_fleet_options`).
         ``on_group_state(group_id, state, waiting)`` hears every group's lifecycle changes (start-up
         phases included) and, about every second while a group waits for resources, its
         :class:`cluster.rank.PlacementWait` (else None), from the thread making them. ``tokenizer`` is
@@ -212,7 +212,7 @@ class Fleet:
         self.shutdown()
 
     def _run(self) -> None:
-        _name_os_thread(self._thread.name)
+        name_os_thread(self._thread.name)
         try:
             self._loop.run(self._stop)
         except BaseException as e:
@@ -368,16 +368,3 @@ def _shutdown_groups(groups: list[FleetWorkerGroup]) -> None:
         return
     with ThreadPoolExecutor(len(groups), thread_name_prefix="fleet-stop") as pool:
         list(pool.map(lambda g: g.shutdown(), groups))
-
-
-def _name_os_thread(name: str) -> None:
-    """Give the calling thread ``name`` where the OS shows it (``top -H``, ``ps -L``, /proc task
-    ``comm``: 15 characters on Linux), so its CPU time can be told from the HTTP loop's."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass

@@ -26,7 +26,7 @@ _SECTION_OPTIONS = {"max_waiting_requests": "scheduler"}
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The settings of a :class:`cluster.fleet.Fleet` that are no config key.
+    """The settings of a :class:`fleet.fleet.Fleet` that are no config key.
 
     name: prefix of the group ids (Ray actor names must be unique); None = a random one.
     idle_poll_s: how long the loop waits for work when there is none (> 0).

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cluster.fleet_request import FleetRequest
+from fleet.request import FleetRequest
 
 
 class Overloaded(RuntimeError):

@@ -1,6 +1,6 @@
 """A submitted request as its client sees it: events as they come, the output, abort.
 
-Handles read the request's :class:`cluster.fleet_request.EventSink`, fed by the fleet loop
+Handles read the request's :class:`fleet.request.EventSink`, fed by the fleet loop
 thread; every wait is bounded by the request's deadline, ``wait_s`` or the loop's liveness.
 """
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from cluster.fleet_request import FleetRequest, is_final
+from fleet.request import FleetRequest, is_final
 from worker.outputs import RequestEvent, RequestOutput
 
 __all__ = ["FleetClosed", "FleetLink", "RequestHandle"]
@@ -162,5 +162,5 @@ class RequestHandle:
         return self._output
 
     def abort(self) -> bool:
-        """End the request with finish_reason "abort" (see :meth:`cluster.fleet.Fleet.abort`)."""
+        """End the request with finish_reason "abort" (see :meth:`fleet.fleet.Fleet.abort`)."""
         return self._link.abort(self.request_id)

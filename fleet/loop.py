@@ -3,7 +3,7 @@
 Every group runs its own engine loop on its leader rank (:mod:`cluster.engine_host`); this loop
 does routing, hand-offs and failure handling only. Everything that touches the router's queues
 or a :class:`FleetRequest` runs here; clients talk to the loop through a command queue and read
-events from per-request queues, and each group's receiver thread (:mod:`cluster.group_client`)
+events from per-request queues, and each group's receiver thread (:mod:`fleet.group_client`)
 puts that group's reports and failures on the same queue. One iteration:
 
 1. apply what is queued: client commands (submit, abort), group reports (events, staged
@@ -32,13 +32,13 @@ from collections import deque
 from collections.abc import Callable
 
 from cluster.config import ClusterConfig
-from cluster.fleet_config import FleetConfig
-from cluster.fleet_request import FleetRequest, Wakeups
-from cluster.group_client import GroupClient
 from cluster.group_messages import Abort, Admit, GroupReport, Prefilled
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
-from cluster.router import GroupLoad, Router
+from fleet.config import FleetConfig
+from fleet.group_client import GroupClient
+from fleet.request import FleetRequest, Wakeups
+from fleet.router import GroupLoad, Router
 from worker.outputs import FailureKind, RequestEvent
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The fleet: requests routed over tensor-parallel worker groups, handed off and moved on failure (see DESIGN.md)."""
