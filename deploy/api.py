@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP API over a :class:`cluster.fleet.Fleet` (a FastAPI app; see :func:`build_app`).
+"""The OpenAI-compatible HTTP API over a :class:`fleet.fleet.Fleet` (a FastAPI app; see :func:`build_app`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` gives server-sent
-events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /live`` (the replica's liveness),
+``GET /health`` (the fleet's readiness), ``GET /metrics``.
 Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -113,9 +114,17 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
 
     # ----- open routes -----
 
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        """Liveness of this replica: 200 whenever its HTTP app and event loop answer, whatever the fleet's
+        state (starting, capturing, degraded, draining, stopped, dead). It asks the fleet nothing, so it
+        cannot block on it; whether the fleet serves is ``/health``'s answer."""
+        return JSONResponse({"status": "alive"})
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when every group is ready (or degraded: serving while a group restarts), else 503.
+        """Readiness of the fleet: 200 when every group is ready (or degraded: serving while a group
+        restarts), else 503 (starting, draining, stopped, dead).
 
         ``groups``: each group's health (starting, capturing, ready, degraded, dead); ``phases``: where
         its current generation is in its life cycle (starting, capturing, ready, dead), also while

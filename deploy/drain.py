@@ -17,14 +17,15 @@ __all__ = ["DRAIN_RETRY_AFTER_S", "Admission", "DrainGate"]
 #: Seconds a client refused by a draining replica is told to wait (another replica may take it).
 DRAIN_RETRY_AFTER_S = 1
 
-#: Paths answered while draining (load balancers and scrapers must see the drain; no work is queued).
-_OPEN_PATHS = ("/health", "/metrics")
+#: Paths answered while draining (liveness probes, load balancers and scrapers must see the drain; no
+#: work is queued).
+_OPEN_PATHS = ("/live", "/health", "/metrics")
 
 
 class Admission:
     """Whether the replica admits API requests, and how many it is still answering.
 
-    ``open`` counts the API requests (every path but ``/health`` and ``/metrics``) from their first
+    ``open`` counts the API requests (every path but ``/live``, ``/health`` and ``/metrics``) from their first
     byte until their response's last, streamed or not. Only the replica's event loop touches it.
     """
 

@@ -241,6 +241,159 @@ def test_worker_prestop_waits_while_the_app_drains(tmp_path):
         server.shutdown()
 
 
+# ----- probes: liveness follows the replica, readiness follows the fleet -----
+
+def _serve_recovery_s(values: dict) -> int:
+    """Serve's own replacement of a replica that stops answering, as values.yaml's `probes` comment defines it."""
+    i = values["ingress"]
+    return math.ceil(3 * (i["healthCheckPeriodS"] + i["healthCheckTimeoutS"]) + _shutdown_budget(values)[0])
+
+
+def test_probes_per_pod(case):
+    """The head (the only Serve proxy) is live while Ray is and the replica answers /live through it, and
+    Ready on Ray alone (KubeRay deploys the app only to a Ready head); workers are live on Ray alone, Ready
+    with Ray and a local proxy (KubeRay's serve Service), and started once the fleet's /health passes."""
+    _, values, docs = case
+    port, agent = values["config"]["serve"]["port"], values["probes"]["dashboardAgentPort"]
+    (rayservice,) = by_kind(docs, "RayService")
+    assert yaml.safe_load(rayservice["spec"]["serveConfigV2"])["proxy_location"] == "HeadOnly"
+    containers = _containers(rayservice)
+    head = containers.pop("head")
+
+    live, p = head["livenessProbe"], values["probes"]["replicaLiveness"]
+    assert live["exec"]["command"][:2] == ["bash", "-c"]
+    script = live["exec"]["command"][2]
+    assert f"http://localhost:{agent}/api/healthz" in script
+    assert f"http://127.0.0.1:{port}/live" in script and "/health" not in script.replace("/api/healthz", "")
+    assert f"--header 'x-request-timeout-seconds: {p['timeoutSeconds']}'" in script
+    assert (live["periodSeconds"], live["failureThreshold"]) == (p["periodSeconds"], p["failureThreshold"])
+    assert live["timeoutSeconds"] == 2 * p["timeoutSeconds"] + 2  # two checks of timeoutSeconds (+1) each
+    assert live["periodSeconds"] * live["failureThreshold"] > _serve_recovery_s(values)
+    r = values["probes"]["readiness"]
+    assert head["readinessProbe"] == {"httpGet": {"path": "/api/healthz", "port": agent}, "periodSeconds":
+                                      r["periodSeconds"], "timeoutSeconds": r["timeoutSeconds"],
+                                      "failureThreshold": r["failureThreshold"]}
+    assert "startupProbe" not in head
+    assert {"name": "serve", "containerPort": port} in head["ports"]
+
+    w = values["probes"]["liveness"]
+    for name, c in containers.items():
+        assert not any(pt.get("name") == "serve" for pt in c["ports"]), name
+        assert c["livenessProbe"] == {"httpGet": {"path": "/api/healthz", "port": agent}, "periodSeconds":
+                                      w["periodSeconds"], "timeoutSeconds": w["timeoutSeconds"],
+                                      "failureThreshold": w["failureThreshold"]}, name
+        ready = c["readinessProbe"]["exec"]["command"][-1]
+        assert f"localhost:{agent}/api/healthz" in ready and f"http://localhost:{port}/-/healthz" in ready, name
+        assert c["startupProbe"]["exec"]["command"][-1].endswith(f"http://${{FQ_RAY_IP}}:{port}/health"), name
+        assert "/live" not in json.dumps(c), name
+
+
+@pytest.mark.parametrize("sets, minimum", [
+    (["probes.replicaLiveness.failureThreshold=27"], 28),  # 270 s: not more than Serve's 270 s
+    (["probes.replicaLiveness.periodSeconds=4"], 68),      # 240 s
+    (["ingress.healthCheckTimeoutS=200"], 70),             # Serve's recovery grows to 3 x 210 + 60 = 690 s
+])
+def test_head_liveness_window_must_exceed_serves_recovery(sets, minimum):
+    """A head liveness window (failureThreshold x periodSeconds) no longer than Serve's own recovery of a stuck
+    replica does not render: the error names the values and the failureThreshold that would do."""
+    out = run([tool("helm"), "template", "gf", str(CHART), *[a for s in sets for a in ("--set", s)]])
+    assert out.returncode != 0, f"{sets} rendered"
+    assert "probes.replicaLiveness: failureThreshold x periodSeconds" in out.stderr, out.stderr
+    assert f"raise probes.replicaLiveness.failureThreshold to {minimum} or more" in out.stderr, out.stderr
+    fixed = [*sets, f"probes.replicaLiveness.failureThreshold={minimum}"]
+    (rayservice,) = by_kind(helm_template(sets=fixed), "RayService")
+    assert _containers(rayservice)["head"]["livenessProbe"]["failureThreshold"] == minimum
+
+
+def test_a_longer_drain_needs_a_longer_head_liveness_window(tmp_path):
+    override = tmp_path / "drain.yaml"
+    override.write_text(yaml.safe_dump({"config": {"serve": {"drain_timeout_s": 600.0}}}))
+    out = run([tool("helm"), "template", "gf", str(CHART), "-f", str(override)])
+    assert out.returncode != 0 and "= 840 s" in out.stderr, out.stderr  # 3 x (10 + 60) + ceil(600 + 30)
+    helm_template([override], sets=["probes.replicaLiveness.failureThreshold=85"])
+
+
+class _Stub:
+    """A real HTTP server on a free loopback port whose GET answers ``status`` (None: never answers);
+    ``headers`` keeps the request headers it saw."""
+
+    def __init__(self, status: int | None = 200) -> None:
+        import http.server
+        import threading
+
+        stub = self
+        self.status, self.headers, self.release = status, [], threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                stub.headers.append(dict(self.headers))
+                if stub.status is None:
+                    stub.release.wait(30)
+                    return
+                self.send_response(stub.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("answer, passes", [
+    (200, True),    # the replica answered /live
+    (404, True),    # no route: KubeRay has not deployed the app yet
+    (503, True),    # Serve: the app failed to deploy (a head restart fixes nothing)
+    (408, False),   # Serve: the replica did not answer within x-request-timeout-seconds
+    (500, False),
+    (502, False),
+    (None, False),  # the proxy took the connection and never answered
+    ("refused", True),  # nothing listens: the app is not deployed yet
+    ("ray down", False),  # the replica answers but Ray's own health fails
+])
+def test_head_liveness_command_against_a_real_http_server(answer, passes):
+    """The head's rendered liveness command, run by bash with wget, against real HTTP servers standing in for
+    the dashboard agent and the Serve proxy: it fails only when Ray is unhealthy or the replica does not answer
+    (408, a 5xx but 503, no answer), and within the probe's timeoutSeconds."""
+    import subprocess
+    import time
+
+    from tests.serve_harness import free_port
+
+    agent = _Stub(500 if answer == "ray down" else 200)
+    proxy = None if answer == "refused" else _Stub(200 if answer == "ray down" else answer)
+    port = proxy.port if proxy else free_port()
+    try:
+        sets = [f"config.serve.port={port}", f"probes.dashboardAgentPort={agent.port}",
+                "probes.replicaLiveness.timeoutSeconds=1"]
+        (rayservice,) = by_kind(helm_template(sets=sets), "RayService")
+        probe = _containers(rayservice)["head"]["livenessProbe"]
+        started = time.monotonic()
+        done = subprocess.run(probe["exec"]["command"], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                              timeout=60)
+        took = time.monotonic() - started
+    finally:
+        agent.close()
+        if proxy:
+            proxy.close()
+    assert (done.returncode == 0) is passes, (done.returncode, done.stdout, done.stderr)
+    assert took < probe["timeoutSeconds"], took
+    if proxy and answer != "ray down":
+        assert proxy.headers and proxy.headers[0].get("x-request-timeout-seconds") == "1", proxy.headers
+    if not passes:
+        assert ("Ray is not healthy" if answer == "ray down" else "the replica did not answer GET /live") \
+            in done.stdout, done.stdout
+
+
 def test_dashboards_configmap_carries_every_dashboard(case):
     _, values, docs = case
     (cm,) = by_kind(docs, "ConfigMap")
@@ -318,6 +471,7 @@ def test_schema_accepts_the_shipped_values():
     ("config.graphs.decoder.backend=full", "decoder"),
     ("startup.safetyFactor=0.5", "startup/safetyFactor"),
     ("startup.periodSeconds=0", "startup/periodSeconds"),
+    ("probes.replicaLiveness.timeoutSeconds=0", "probes/replicaLiveness/timeoutSeconds"),
     ("shutdown.drainMarginSeconds=-1", "shutdown/drainMarginSeconds"),
     ("config.serve.drain_timeout_s=-5", "config/serve/drain_timeout_s"),
     ("config.cluster.cpus_per_rank=0", "config/cluster/cpus_per_rank"),

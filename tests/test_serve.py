@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -86,6 +87,7 @@ def test_health_is_open_and_ready(server):
     status, body, _ = _http("GET", f"{server}/health")
     assert status == 200, body
     assert body["status"] == "ready" and all(s == "ready" for s in body["groups"].values())
+    assert _http("GET", f"{server}/live")[:2] == (200, {"status": "alive"})  # open too: no API key
     status, text, _ = _http("GET", f"{server}/metrics")
     assert status == 200 and "prompt_tokens" in text
 
@@ -432,6 +434,7 @@ def test_health_names_what_a_group_waits_for_within_seconds(server, path):
             assert status in (404, 503) and time.monotonic() - deployed < 10, (status, body)
             time.sleep(0.1)
         assert body["status"] == "starting" and body["groups"] == {"huge-c0": "starting"}, body
+        assert _http("GET", f"{server}/huge/live")[:2] == (200, {"status": "alive"})  # the replica is alive
         waiting = body["waiting"]["huge-c0"]
         assert waiting["state"] == "waiting for resources"
         assert waiting["asked"] == {"bundle": {"CPU": 64.0}, "count": 1}
@@ -445,6 +448,67 @@ def test_health_names_what_a_group_waits_for_within_seconds(server, path):
     pending = [pg for pg in ray.util.placement_group_table().values()
                if pg["name"].startswith("graphfleet-huge-") and pg["state"] != "REMOVED"]
     assert pending == [], pending
+
+
+def test_live_follows_the_replica_while_health_follows_the_fleet(server, path):
+    """``/live`` is 200 while ``/health`` is 503 for a fleet that is starting (a rank waits for 64 CPUs), then
+    draining and stopped (the drain of the chart's preStop, through a deployment handle); the drain refuses API
+    requests but not ``/live``."""
+    base = f"{server}/alive"
+    app = app_builder({"model": str(path), "overrides": [*OVERRIDES, "cluster.cpus_per_rank=64"], "model_name": "tiny",
+                       "fleet": {"name": "alive"}})
+    serve.run(app, name="graphfleet-alive", route_prefix="/alive", blocking=False)
+    try:
+        end = time.monotonic() + 60
+        while (status := _http("GET", f"{base}/live")[0]) != 200:
+            assert status in (404, 503) and time.monotonic() < end, status  # 404/503: Serve has no replica yet
+            time.sleep(0.1)
+        status, body, _ = _http("GET", f"{base}/health")
+        assert status == 503 and body["status"] == "starting", body
+
+        handle = serve.get_deployment_handle("OpenAIIngress", "graphfleet-alive")
+        reports: list[dict] = []
+        drain = threading.Thread(target=lambda: reports.append(handle.drain.remote(10).result()), daemon=True)
+        drain.start()
+        seen = set()
+        while drain.is_alive():
+            status, body, _ = _http("GET", f"{base}/health")
+            seen.add((status, body["status"]))
+            assert _http("GET", f"{base}/live")[:2] == (200, {"status": "alive"}), seen
+            time.sleep(0.05)
+        [report] = reports
+        assert (report["finished"], report["aborted"]) == (0, 0), report
+        status, body, _ = _http("GET", f"{base}/health")
+        assert (status, body["status"]) == (503, "stopped") and seen <= {(503, "starting"), (503, "draining"),
+                                                                         (503, "stopped")}, (body, seen)
+        assert _http("GET", f"{base}/live")[:2] == (200, {"status": "alive"})
+        status, body, _ = _http("GET", f"{base}/v1/models")
+        assert status == 503 and body["error"]["code"] == "draining", body
+    finally:
+        serve.delete("graphfleet-alive")
+
+
+def test_serve_answers_408_for_a_replica_that_does_not_answer_in_time(server, path):
+    """What the chart's head liveness relies on: with ``x-request-timeout-seconds`` the Serve proxy answers 408
+    when no replica answers in time (here: a replica that never gets the 64 CPUs it asks for)."""
+    from deploy.serve_app import build_config, deployment
+
+    config = build_config({"model": str(path), "overrides": OVERRIDES})
+    app = deployment(config).options(ray_actor_options={"num_cpus": 64}, graceful_shutdown_timeout_s=1
+                                     ).bind(config.to_dict(), {})  # Serve waits that long to kill it
+    serve._run(app, _blocking=False, name="graphfleet-nowhere", route_prefix="/nowhere")  # serve.run waits for it
+    try:
+        end = time.monotonic() + 30
+        while True:
+            started = time.monotonic()
+            status, body, _ = _http("GET", f"{server}/nowhere/live", headers={"x-request-timeout-seconds": "1"})
+            if status == 408:
+                break
+            assert status == 404 and time.monotonic() < end, (status, body)  # the route is not there yet
+            time.sleep(0.1)
+        assert time.monotonic() - started < 5
+    finally:
+        serve.delete("graphfleet-nowhere")
 
 
 @pytest.mark.timeout(300)

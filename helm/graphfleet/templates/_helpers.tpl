@@ -90,6 +90,7 @@ Arguments: (list $ role).
 wget --tries 1 -T {{ .Values.probes.readiness.timeoutSeconds }} -q -O /dev/null http://localhost:{{ .Values.probes.dashboardAgentPort }}/api/healthz
 {{- end }}
 
+{{/* The workers' liveness: Ray's own health only (values.yaml, probes). */}}
 {{- define "graphfleet.livenessProbe" -}}
 httpGet:
   path: /api/healthz
@@ -97,6 +98,57 @@ httpGet:
 periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
 timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
 failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+{{- end }}
+
+{{/*
+Serve's own recovery of a replica that stops answering, in seconds: REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD
+(3) failed health checks, each up to healthCheckPeriodS + healthCheckTimeoutS, then its shutdown (at most
+the drain budget). The head's liveness window must exceed it: Serve replaces the replica first.
+*/}}
+{{- define "graphfleet.serveRecoverySeconds" -}}
+{{- $i := .Values.ingress }}
+{{- $budget := include "graphfleet.drainBudgetSeconds" . | atoi }}
+{{- addf (mulf 3 (addf $i.healthCheckPeriodS $i.healthCheckTimeoutS)) $budget | ceil | int }}
+{{- end }}
+
+{{/*
+The head's liveness command (values.yaml, probes.replicaLiveness): Ray's own health, then GET /live on
+the Serve port, which this pod's proxy forwards to the ingress replica wherever Serve placed it; the
+x-request-timeout-seconds header makes the proxy answer 408 when the replica does not answer in time.
+Fails when Ray is unhealthy, on a 408 or a 5xx other than 503, and when the proxy takes the connection
+but answers nothing. Passes on any other answer and on a refused connection: nothing listens before
+KubeRay deploys the app, its route is missing until then (404), and an app that failed to deploy gets
+503; restarting the head fixes none of them.
+*/}}
+{{- define "graphfleet.headLivenessCommand" -}}
+{{- $p := .Values.probes.replicaLiveness -}}
+wget --tries 1 -T {{ $p.timeoutSeconds }} -q -O /dev/null http://localhost:{{ .Values.probes.dashboardAgentPort }}/api/healthz || { echo "Ray is not healthy: the dashboard agent's /api/healthz failed"; exit 1; }
+out=$(LC_ALL=C wget -S --tries 1 -T {{ add $p.timeoutSeconds 1 }} -O /dev/null --header 'x-request-timeout-seconds: {{ $p.timeoutSeconds }}' http://127.0.0.1:{{ .Values.config.serve.port }}/live 2>&1)
+code=$(printf '%s\n' "$out" | awk '$1 ~ /^HTTP\// {c = $2} END {print c}')
+case "$code" in
+  503) exit 0 ;;
+  408|5??) ;;
+  ?*) exit 0 ;;
+  *) case "$out" in *"Connection refused"*) exit 0 ;; esac ;;
+esac
+echo "the replica did not answer GET /live: ${code:-no answer}"; printf '%s\n' "$out" | tail -n 2; exit 1
+{{- end }}
+
+{{- define "graphfleet.headLivenessProbe" -}}
+{{- $p := .Values.probes.replicaLiveness }}
+{{- $window := mul $p.failureThreshold $p.periodSeconds }}
+{{- $serve := include "graphfleet.serveRecoverySeconds" . | atoi }}
+{{- if le (int $window) $serve }}
+{{- fail (printf "probes.replicaLiveness: failureThreshold x periodSeconds (%d s) must exceed Serve's own recovery of a replica that stops answering, 3 x (ingress.healthCheckPeriodS + ingress.healthCheckTimeoutS) + the drain budget = %d s, so that Serve replaces the replica before Kubernetes restarts the head (and with it the Ray cluster): raise probes.replicaLiveness.failureThreshold to %d or more" (int $window) $serve (add (div $serve (int $p.periodSeconds)) 1)) }}
+{{- end -}}
+exec:
+  command:
+    - bash
+    - -c
+    - {{ include "graphfleet.headLivenessCommand" . | quote }}
+periodSeconds: {{ $p.periodSeconds }}
+timeoutSeconds: {{ add (mul 2 $p.timeoutSeconds) 2 }}
+failureThreshold: {{ $p.failureThreshold }}
 {{- end }}
 
 {{/* (list $ role $groupValues): one KubeRay workerGroupSpec. */}}
