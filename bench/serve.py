@@ -45,14 +45,26 @@ def _get(url: str, headers: dict | None = None, timeout: float = 30.0):
         return r.status, r.read().decode()
 
 
+def _health_body(body: str) -> dict:
+    """A 200 ``/health`` body as a dict: ours is JSON; another server's (``vllm serve``) may be empty or text."""
+    if not body.strip():
+        return {}
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        return {"body": body}
+    return parsed if isinstance(parsed, dict) else {"body": parsed}
+
+
 def wait_healthy(base: str, timeout_s: float) -> dict:
-    """``/health`` once it answers 200 (the fleet is up); raises with the last answer after ``timeout_s``."""
+    """``/health`` once it answers 200 (the fleet is up, or a peer server is); raises with the last
+    answer after ``timeout_s``."""
     end, last, shown = time.monotonic() + timeout_s, None, None
     while time.monotonic() < end:
         try:
             status, body = _get(f"{base}/health")
             if status == 200:
-                return json.loads(body)
+                return _health_body(body)
         except OSError as e:  # 404/503 while Serve routes and the fleet starts; refused before
             last = e.read().decode() if getattr(e, "code", None) == 503 else e
         if last is not None and str(last) != shown:
