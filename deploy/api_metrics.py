@@ -4,11 +4,11 @@ Names follow the serving issue's list; vLLM exports the same names with a ``vllm
 Each app has its own registry (label ``model_name``), served at ``/metrics`` together with every
 rank's ``cuda_graph_*`` metrics (see :mod:`deploy.metrics_merge`).
 
-Token timing comes from the fleet, not from the HTTP side: the fleet's loop stamps each event
-that carries tokens as it delivers it (:attr:`fleet.fleet.RequestHandle.token_times`), for
-streamed and non-streamed requests alike. ``time_to_first_token_seconds`` is the first stamp
-minus the request's arrival at the API; ``inter_token_latency_seconds`` gets one observation per
-later event (the gap to the one before; an event is one engine step, one token per request).
+Token timing comes from the fleet, not from the HTTP side: the fleet's loop stamps each token
+as it delivers it (:attr:`fleet.fleet.RequestHandle.token_times`), for streamed and non-streamed
+requests alike. ``time_to_first_token_seconds`` is the first stamp minus the request's arrival at
+the API; ``inter_token_latency_seconds`` gets one observation per later token (the gap to the one
+before; tokens of several engine steps reported together share a stamp and give 0).
 Streams observe them as the events are sent; non-streamed requests when their response is built.
 """
 
@@ -61,8 +61,9 @@ class ApiMetrics:
         return _Bound(self._rejected, self.model_name)
 
     def token_times(self, t0: float, times: Sequence[float], start: int, stop: int) -> int:
-        """Observe the token deliveries ``times[start:stop]`` of a request that arrived at ``t0``
-        (the first as TTFT, later ones as inter-token gaps); returns ``stop``, the next start."""
+        """Observe the token delivery times ``times[start:stop]`` of a request that arrived at ``t0``
+        (the first as TTFT, each later token's gap as an inter-token latency: tokens delivered together
+        give 0); returns ``stop``, the next start."""
         m = self.model_name
         for k in range(start, stop):
             if k == 0:

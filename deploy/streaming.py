@@ -143,7 +143,7 @@ class _StreamState:
         self.done: set[int] = set()
 
     def add(self, job: Job, ev, deliveries: int) -> None:
-        """Count ``ev`` (``deliveries`` fleet events with tokens merged into one)."""
+        """Count ``ev`` (``deliveries``: the tokens of the fleet events merged into it)."""
         if deliveries:
             job.observe_tokens(self.metrics, job.observed + deliveries)  # their delivery times
         self.completion[job.index] += len(ev.token_ids)
@@ -200,12 +200,12 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
                 events = item[:-1] if failed is not None else item
                 if events:
                     ev = merge_events(events)
-                    state.add(job, ev, sum(1 for e in events if e.token_ids))
+                    state.add(job, ev, sum(len(e.token_ids) for e in events))
                     body = chunk(job, ev)
                     if body is not None:
                         parts.append(data(body))
                 if failed is not None:
-                    state.add(job, failed, 1 if failed.token_ids else 0)
+                    state.add(job, failed, len(failed.token_ids))
                     parts.append(_stream_error(failed))
                 elif (aborted := server_aborted(item[-1])) is not None:  # after its "abort" chunk
                     parts.append(_data(aborted.body()))

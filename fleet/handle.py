@@ -56,10 +56,11 @@ class RequestHandle:
 
     @property
     def token_times(self) -> list[float]:
-        """``time.monotonic()`` at which the fleet delivered each event carrying tokens, in order.
+        """``time.monotonic()`` at which the fleet delivered each output token, in order (tokens that
+        arrive in one event, e.g. several steps reported together, share its time).
 
-        Entry ``k`` is there once the ``k``-th such event can be read from :meth:`events`; after
-        :meth:`result`, every entry is. The first is the first token's time (TTFT), the gaps
+        Entry ``k`` is there once the event with the ``k``-th token can be read from :meth:`events`;
+        after :meth:`result`, every entry is. The first is the first token's time (TTFT), the gaps
         between them the inter-token latencies.
         """
         return self._token_times

@@ -191,7 +191,7 @@ class FleetRequest:
     shards: tuple | None = None
     holds_admission: bool = True  # counts against the router's queue bound until first dispatched
     last_failure: str | None = None
-    token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each event with tokens
+    token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each token
 
     @property
     def deadline(self) -> float | None:
@@ -206,8 +206,8 @@ class FleetRequest:
 
     def deliver(self, event: RequestEvent) -> None:
         """Record ``event`` as sent (with its time, if it carries tokens) and send it to the client."""
-        if event.token_ids:
-            self.token_times.append(time.monotonic())  # before the put: a reader of event k sees time k
+        if event.token_ids:  # before the put: a reader of token k sees time k
+            self.token_times.extend([time.monotonic()] * len(event.token_ids))
         self.output_ids.extend(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)

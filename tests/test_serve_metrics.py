@@ -96,7 +96,7 @@ def test_metrics_count_the_requests_sent(server, client):
     assert delta("time_to_first_token_seconds_count") == n and delta("time_to_first_token_seconds_sum") > 0
     assert delta("e2e_request_latency_seconds_count") == n
     assert delta("e2e_request_latency_seconds_sum") > delta("time_to_first_token_seconds_sum")
-    # One token per event: the first gives the TTFT, each later one a gap, streamed or not.
+    # The first token gives the TTFT, each later one a gap (0 for tokens delivered together), streamed or not.
     assert delta("inter_token_latency_seconds_count") == n * (MAX_TOKENS - 1)
     assert delta("inter_token_latency_seconds_sum") > 0
     assert total(after, "num_requests_running") == 0 and total(after, "num_requests_waiting") == 0
