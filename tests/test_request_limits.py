@@ -5,14 +5,13 @@ before it is tokenized, and a 15 MiB list of token ids (under the body limit: pa
 preprocessing pool) gets 400 naming max_model_len; every stream completes, ``/health`` keeps
 answering, and the figures are printed (``pytest -s``).
 
-The issue's goals on this 2-core machine are tighter than what is asserted here: the 10 MB prompt's
-400 in under 1 s (measured 0.58-0.95 s), ``/health`` under 100 ms throughout (measured at most
-0.14-0.24 s, in the hostile window and outside it alike) and stream gaps under twice their median
-while the bodies arrive (not met: the 10 MB body's trip through Serve's proxy, the replica and the
-pool takes the CPU the decoding rank needs, and single streams stall 1-3 s at times with no
-hostile input at all). The bounds below are what held in every run, far from what the old path
-did (a 64 MiB body tokenized on the replica's event loop: no answer for 120 s and a replica
-restart).
+On this 2-core machine, with each group's engine loop on its leader rank (not in the replica), three
+runs measured: the 10 MB prompt's 400 in 158-169 ms (asserted under the issue's 1 s), ``/health``
+at most 54-98 ms (the issue's goal is 100 ms; asserted at 0.5 s, since one run in three came
+within 2 ms of the goal) and stream gaps in the hostile window at most 1.30-2.14x their median (the
+goal is 2x; printed, not asserted). Before the engine moved out of the replica: 0.58-0.95 s,
+0.14-0.24 s, and single streams stalling 1-3 s. The old path (a 64 MiB body tokenized on the
+replica's event loop) went 120 s without an answer and had the replica restarted.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ STREAMS = 16
 STREAM_TOKENS = 400
 LIMIT = 16 * 1024 * 1024
 #: Bounds asserted (see the module docstring for the goals and the measured figures).
-REFUSAL_BOUND_S = 2.0
+REFUSAL_BOUND_S = 1.0
 HEALTH_BOUND_S = 0.5
 #: Overrides of this app: 16 streams decode together (stream batching as by default: 50 ms).
 APP_OVERRIDES = [*OVERRIDES, "scheduler.max_running_requests=16", "graphs.decode.max_batch_size=16",
