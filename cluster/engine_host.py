@@ -78,7 +78,6 @@ class EngineHost:
                 self._cond.wait(left)
             report, self._report, self._new = self._report, GroupReport(), False
             report.events = merge_events(report.events)
-            report.applied = self._applied
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
             return report
@@ -225,7 +224,7 @@ class EngineHost:
             r.accepted.extend(p.accepted)
             r.refused.extend(p.refused)
             changed = r.load != load
-            r.load = load
+            r.load, r.applied = load, self._applied  # the load as of these batches, never of later ones
             if p.events or p.staged or p.accepted or p.refused or changed:
                 self._new = True
                 self._cond.notify_all()

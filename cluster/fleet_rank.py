@@ -76,6 +76,8 @@ class FleetRankActor(RankActor):
             deadline = time.monotonic() + 5.0
             while self.host.running and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if self.host.running:  # stuck in a step: its thread may still use the channel, so no stop order
+                self.executor = None
         super().shutdown()
 
     # ----- KV pages -----

@@ -93,7 +93,8 @@ class EngineLoad:
 class GroupReport:
     """Everything a group's engine did since the fleet's last poll.
 
-    ``applied``: the number of the last command batch applied before ``load`` was taken;
+    ``applied``: the number of the last command batch applied before ``load`` was taken (0 with no
+    ``load``: nothing to say);
     ``step_s``: how long the step running now has run (0 when none runs); ``loop_error``: the
     engine loop ended with this error (the group is dead).
     """
