@@ -29,7 +29,7 @@ from cluster.group_messages import Abort, Admit, EngineLoad, GroupReport, Prefil
 from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
 from cluster.threads import name_os_thread
 from worker.engine import Engine
-from worker.outputs import FailureKind, RequestEvent
+from worker.outputs import FailureKind, RequestEvent, merge_events
 from worker.request import Request, RequestRejected
 from worker.tokenizer import load_tokenizer
 
@@ -77,7 +77,7 @@ class EngineHost:
             while not self._new and not self._stopping and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
             report, self._report, self._new = self._report, GroupReport(), False
-            report.events = merge_events(report.events)
+            report.events = merge_by_request(report.events)
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
             return report
@@ -150,11 +150,9 @@ class EngineHost:
 
     def _admit_prefilled(self, c: Prefilled) -> None:
         e = self.engine
-        num_kv = len(c.prompt_ids) + len(c.output_ids) - 1
-        need = -(-num_kv // e.config.cache.page_size)
-        if len(e.scheduler.running) >= e.config.scheduler.max_running_requests or not e.allocator.can_allocate(need):
-            self._refuse(Refused(c.engine_id, "no_room", f"{len(e.scheduler.running)} running, "
-                                                        f"{e.allocator.num_free} pages free, {need} needed"))
+        full = e.no_room_for_prefilled(len(c.prompt_ids) + len(c.output_ids) - 1)
+        if full is not None:
+            self._refuse(Refused(c.engine_id, "no_room", full))
             return
         try:
             items = self._resolve(c.transport, c.shards, c.timeout_s)
@@ -239,18 +237,12 @@ class EngineHost:
         return EngineLoad(e.num_free_pages, e.allocator.num_usable, len(reqs), prefill + decode)
 
 
-def merge_events(events: list[RequestEvent]) -> list[RequestEvent]:
-    """One event per request: the steps since the last poll, in order (tokens, text and
-    log-probabilities concatenated; the last one's ending). A lagging reader then costs one event
-    per request however many steps it missed."""
-    merged: dict[str, RequestEvent] = {}
+
+def merge_by_request(events: list[RequestEvent]) -> list[RequestEvent]:
+    """One event per request (:func:`worker.outputs.merge_events` of its events, in order), in the
+    order of each request's first: a lagging reader then costs one event per request however many
+    steps it missed."""
+    by_request: dict[str, list[RequestEvent]] = {}
     for ev in events:
-        prev = merged.get(ev.request_id)
-        if prev is None:
-            merged[ev.request_id] = ev
-            continue
-        logprobs = None if prev.logprobs is None and ev.logprobs is None else \
-            (prev.logprobs or []) + (ev.logprobs or [])
-        merged[ev.request_id] = RequestEvent(ev.request_id, prev.token_ids + ev.token_ids, prev.text + ev.text,
-                                             ev.finished, ev.finish_reason, logprobs, ev.error, ev.failure)
-    return list(merged.values())
+        by_request.setdefault(ev.request_id, []).append(ev)
+    return [merge_events(evs) for evs in by_request.values()]

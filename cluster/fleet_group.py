@@ -5,7 +5,8 @@ from __future__ import annotations
 import ray
 
 from cluster.fleet_rank import FleetRankActor
-from cluster.group import RankGeneration, WorkerGroup
+from cluster.generation import RankGeneration
+from cluster.group import WorkerGroup
 from cluster.rank import GroupUnavailable
 
 

@@ -95,19 +95,17 @@ class FleetRankActor(RankActor):
             self._staged[transfer_id] = out
             self._staged_cond.notify_all()
 
-    def _wait_staged(self, transfer_id: str):
+    def _wait_staged(self, transfer_id: str, take: bool = False):
+        """The staged copy ``transfer_id`` once this rank's loop has made it (removed here with ``take``)."""
         with self._staged_cond:
             if not self._staged_cond.wait_for(lambda: transfer_id in self._staged, STAGED_WAIT_S):
                 raise RuntimeError(f"{self.info.name}: KV copy {transfer_id} not staged after {STAGED_WAIT_S:g}s")
-            return self._staged[transfer_id]
+            return self._staged.pop(transfer_id) if take else self._staged[transfer_id]
 
     def take_staged(self, transfer_id: str):
         """The staged copy as the raw bytes of a CPU tensor (a uint8 numpy array: Ray stores numpy
         arrays without a copy and readers map them; a torch tensor is pickled, ~3x slower)."""
-        self._wait_staged(transfer_id)
-        with self._staged_cond:
-            staged = self._staged.pop(transfer_id)
-        return staged.cpu().reshape(-1).view(torch.uint8).numpy()
+        return self._wait_staged(transfer_id, take=True).cpu().reshape(-1).view(torch.uint8).numpy()
 
     def drop_staged(self, transfer_id: str) -> None:
         with self._staged_cond:
@@ -217,9 +215,7 @@ class FleetRankActor(RankActor):
         """Send the staged copy ``transfer_id`` to the pair's other rank (it is dropped here after)."""
         import torch
 
-        self._wait_staged(transfer_id)
-        with self._staged_cond:
-            staged = self._staged.pop(transfer_id)
+        staged = self._wait_staged(transfer_id, take=True)
         group, _, peer = self._pairs[pair_id]
         group.send([staged], peer, 0).wait()
         if staged.is_cuda:

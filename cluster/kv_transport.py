@@ -38,14 +38,9 @@ class KVTransportUnavailable(RuntimeError):
 
 
 class KVTransferFailed(RuntimeError):
-    """A hand-off did not complete (a rank died, the export failed, or it timed out).
-
-    ``timed_out``: the import may still be writing into the decode group's pages.
-    """
-
-    def __init__(self, message: str, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
+    """A hand-off did not complete (a rank died, the export failed, or it timed out). Whether the
+    import may still write into the decode group's pages is the decode leader's call
+    (:class:`cluster.group_messages.Refused`'s ``fail_group``)."""
 
 
 @dataclass(frozen=True)

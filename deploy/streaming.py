@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
+from worker.outputs import merge_events
 
 
 @dataclass
@@ -87,19 +88,6 @@ class StreamSettings:
     include_usage: bool = False
     continuous_usage: bool = False
     interval_s: float = 0.0
-
-
-def merge_events(events: Sequence[Any]) -> Any:
-    """One event with the tokens, text and logprobs of consecutive ``events`` of one request, and
-    the finish of the last."""
-    if len(events) == 1:
-        return events[0]
-    last = events[-1]
-    logprobs = None
-    if any(e.logprobs is not None for e in events):
-        logprobs = [lp for e in events for lp in (e.logprobs or ())]
-    return replace(last, token_ids=[t for e in events for t in e.token_ids], text="".join(e.text for e in events),
-                   logprobs=logprobs)
 
 
 async def _merged(jobs: list[Job], interval_s: float) -> AsyncIterator[list[tuple[Job, Any]]]:

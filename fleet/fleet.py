@@ -32,7 +32,8 @@ from cluster.rank import GroupState, GroupUnavailable, PlacementWait
 from cluster.threads import name_os_thread
 from fleet.config import FleetConfig, apply_fleet_options, group_layout, role_config
 from fleet.handle import FleetClosed, FleetLink, RequestHandle
-from fleet.loop import FleetLoop, FleetMember
+from fleet.loop import FleetLoop
+from fleet.member import FleetMember
 from fleet.metrics import gather_rank_metrics
 from fleet.request import EventSink, FleetRequest
 from fleet.router import Overloaded, Router

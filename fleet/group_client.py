@@ -19,10 +19,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-import ray
-from ray.exceptions import RayError
+from ray.exceptions import GetTimeoutError, RayError
 
-from cluster.group import failure_reason
+from cluster.generation import failure_reason
 from cluster.group_messages import EngineLoad, GroupReport
 
 log = logging.getLogger(__name__)
@@ -115,18 +114,10 @@ class GroupClient:
 
     def _poll(self, gen, timeout_s: float) -> str | None:
         """One report poll; the reason ``gen`` failed, or None."""
-        ref = gen.leader.engine_events.remote(POLL_S)
-        ready, _ = ray.wait([ref, *gen.loops], num_returns=1, timeout=POLL_S + timeout_s)
-        if not ready:
-            return f"step exceeded cluster.step_timeout_s={timeout_s:g}s (the leader did not answer)"
-        if ready[0] is not ref:
-            try:
-                ray.get(ready[0])
-            except RayError as e:
-                return failure_reason(gen, e)
-            return "a rank's loop ended while its generation was live"
         try:
-            report: GroupReport = ray.get(ref)
+            report: GroupReport = gen.result_beside_loops(gen.leader.engine_events.remote(POLL_S), POLL_S + timeout_s)
+        except GetTimeoutError:
+            return f"step exceeded cluster.step_timeout_s={timeout_s:g}s (the leader did not answer)"
         except RayError as e:
             return failure_reason(gen, e)
         self._post(("report", (self, gen.generation, report)))

@@ -186,7 +186,7 @@ def test_group_that_cannot_be_placed_reports_its_wait_then_fails_with_a_reason(r
 
     path = checkpoint_dir("tiny-llama")
     seen: list[tuple[float, object, PlacementWait | None]] = []
-    caplog.set_level(logging.INFO, logger="cluster.group")
+    caplog.set_level(logging.INFO, logger="cluster.generation")
     started = time.monotonic()
     with pytest.raises(GroupUnavailable, match=r"placement group for 2 ranks x \{'CPU': 4.0\} not ready after 6s: "
                                                r"the cluster lacks those resources \(\{'CPU': [0-9.]+\} free\)"):

@@ -187,13 +187,10 @@ class Engine:
             raise RequestRejected("a prefilled request needs its first output token")
         req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
         num_kv = req.num_tokens - 1
-        need = req.pages_needed(num_kv, self.config.cache.page_size)
-        if len(self.scheduler.running) >= self.config.scheduler.max_running_requests:
-            raise RequestRejected(f"{len(self.scheduler.running)} requests already running "
-                                  f"(scheduler.max_running_requests={self.config.scheduler.max_running_requests})")
-        if not self.allocator.can_allocate(need):
-            raise RequestRejected(f"needs {need} KV pages, {self.allocator.num_free} free")
-        req.pages = self.allocator.allocate(need)
+        full = self.no_room_for_prefilled(num_kv)
+        if full is not None:
+            raise RequestRejected(full)
+        req.pages = self.allocator.allocate(req.pages_needed(num_kv, self.config.cache.page_size))
         try:
             import_kv(list(req.pages))
         except BaseException:
@@ -205,6 +202,17 @@ class Engine:
         self._register(req)
         self.scheduler.add_running(req)
         return request_id
+
+    def no_room_for_prefilled(self, num_kv_tokens: int) -> str | None:
+        """Why a prefilled request with ``num_kv_tokens`` of KV cannot be admitted now (no running slot
+        or not enough free pages), or None when it can."""
+        running, limit = len(self.scheduler.running), self.config.scheduler.max_running_requests
+        if running >= limit:
+            return f"{running} requests already running (scheduler.max_running_requests={limit})"
+        need = -(-num_kv_tokens // self.config.cache.page_size)
+        if not self.allocator.can_allocate(need):
+            return f"needs {need} KV pages, {self.allocator.num_free} free"
+        return None
 
     def abort(self, request_id: str) -> bool:
         """Finish ``request_id`` with reason ``abort`` and free its pages; False if unknown/finished."""

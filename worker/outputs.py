@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,19 @@ class RequestEvent:
     logprobs: list[float] | None = None
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)
+
+
+def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
+    """One event with the tokens, text and logprobs of consecutive ``events`` of one request, and
+    the finish of the last."""
+    if len(events) == 1:
+        return events[0]
+    last = events[-1]
+    logprobs = None
+    if any(e.logprobs is not None for e in events):
+        logprobs = [lp for e in events for lp in (e.logprobs or ())]
+    return replace(last, token_ids=[t for e in events for t in e.token_ids], text="".join(e.text for e in events),
+                   logprobs=logprobs)
 
 
 @dataclass(frozen=True)
