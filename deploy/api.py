@@ -25,6 +25,7 @@ from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.metrics_merge import merge_expositions
 from deploy.preprocess import PreparedRequest, Preprocessor, from_validation, rejected
+from deploy.stream_pacing import StreamPacer
 from deploy.streaming import (
     Job,
     StreamSettings,
@@ -54,18 +55,19 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
     ``preprocessor`` turns request bodies into prepared requests (parsed, tokenized, admitted) in
     processes of its own; ``tokenizer`` spells logprob tokens;
     ``config`` is the :class:`deploy.config.Config` (its ``serve`` section: ``api_key``,
-    ``model_name``, ``request_timeout_s``, ``stream_batching_interval_ms``).
+    ``model_name``, ``request_timeout_s``, ``stream_batching_interval_ms``, ``stream_chunks_per_s``).
     """
     serve_cfg = config.serve
     model_name = serve_cfg.model_name or Path(config.model.path).name
     api_key = serve_cfg.api_key
     metrics = ApiMetrics(model_name)
     created = p.now()
-    interval_s = serve_cfg.stream_batching_interval_ms / 1e3
+    pacer = StreamPacer(serve_cfg.stream_batching_interval_ms / 1e3, serve_cfg.stream_chunks_per_s)
+    metrics.stream_interval.set_function(pacer.interval_s)
 
     def stream_settings(req: p.CompletionRequest | p.ChatCompletionRequest) -> StreamSettings:
         opts = req.stream_options or p.StreamOptions()
-        return StreamSettings(opts.include_usage, opts.continuous_usage_stats, interval_s)
+        return StreamSettings(opts.include_usage, opts.continuous_usage_stats, pacer)
     app = FastAPI(title="graphfleet", description="OpenAI-compatible API of a graphfleet fleet")
 
     # ----- errors -----

@@ -55,6 +55,9 @@ class ApiMetrics:
         self.gil_switch = Gauge("graphfleet_gil_switch_interval_seconds", "The serving process's "
                                 "sys.getswitchinterval() (serve.gil_switch_interval_ms)", registry=reg)
         self.gil_switch.set_function(sys.getswitchinterval)
+        self.stream_interval = Gauge("graphfleet_stream_batching_interval_seconds", "How long a streamed "
+                                     "choice's tokens wait to go out together now (it follows the open "
+                                     "streams: serve.stream_chunks_per_s)", registry=reg)
 
     @property
     def rejected(self):

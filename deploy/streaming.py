@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
+from deploy.stream_pacing import StreamPacer
 from worker.outputs import merge_events
 
 
@@ -83,14 +84,14 @@ def _data(obj: BaseModel | dict) -> str:
 class StreamSettings:
     """How a response streams: usage after the last chunk (``stream_options.include_usage``) or in
     every chunk too (``stream_options.continuous_usage_stats``), and how often each choice's tokens
-    go out (``serve.stream_batching_interval_ms``, in seconds here; 0 = as soon as they come)."""
+    go out (the replica's :class:`deploy.stream_pacing.StreamPacer`; None = as soon as they come)."""
 
     include_usage: bool = False
     continuous_usage: bool = False
-    interval_s: float = 0.0
+    pacer: StreamPacer | None = None
 
 
-async def _merged(jobs: list[Job], interval_s: float) -> AsyncIterator[list[tuple[Job, Any]]]:
+async def _merged(jobs: list[Job], interval_s: float | Callable[[], float]) -> AsyncIterator[list[tuple[Job, Any]]]:
     """Each job's event batches (see ``RequestHandle.aevent_batches``) as they come, gathered into
     what is ready at once across the ``n`` choices; cancelling (client disconnect) aborts the
     unfinished ones."""
@@ -168,7 +169,10 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
     What is ready together goes out as one body write (still one SSE event per choice): under load
     that is one message through Serve's proxy per batch instead of one per token.
     """
-    state, merged = _StreamState(jobs, metrics), _merged(jobs, settings.interval_s)
+    pacer = settings.pacer
+    state, merged = _StreamState(jobs, metrics), _merged(jobs, pacer.interval_s if pacer is not None else 0.0)
+    if pacer is not None:
+        pacer.open(len(jobs))
 
     def data(body: BaseModel) -> str:
         if settings.continuous_usage:
@@ -203,6 +207,8 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
             yield _data(usage_cls(id=rid, created=created, model=model, choices=[], usage=state.usage()))
         yield "data: [DONE]\n\n"
     finally:
+        if pacer is not None:
+            pacer.close(len(jobs))
         abort_unfinished(jobs)  # a disconnect: end the requests now, not at max_tokens
         state.close()
         await merged.aclose()

@@ -127,21 +127,23 @@ class RequestHandle:
             if event is not None:
                 yield event
 
-    async def aevent_batches(self, interval_s: float, wait_s: float | None = None,
+    async def aevent_batches(self, interval_s: float | Callable[[], float], wait_s: float | None = None,
                              ) -> AsyncIterator[list[RequestEvent]]:
         """:meth:`aevents` in batches at most one per ``interval_s`` (Ray Serve LLM's stream batching).
 
         The first batch goes as soon as there is an event (time to first token is not held back),
         and so does the one with the final event; in between, events that arrive within
         ``interval_s`` of the last batch wait for the next. ``interval_s=0`` hands out what is
-        ready whenever the reader wakes.
+        ready whenever the reader wakes. A callable ``interval_s`` is asked before each wait (an
+        interval that follows the load: :class:`deploy.stream_pacing.StreamPacer`).
         """
         loop = asyncio.get_running_loop()
+        interval = interval_s if callable(interval_s) else (lambda: interval_s)
         last = None
         while not self._finished:
             first = await self._anext(wait_s)
-            if last is not None and interval_s > 0 and not is_final(first):
-                left = last + interval_s - loop.time()
+            if last is not None and not is_final(first) and (wait := interval()) > 0:
+                left = last + wait - loop.time()
                 if left > 0:
                     await self._sink.ahold(left)
             items = [first, *self._sink.drain()]

@@ -28,6 +28,7 @@ openai = pytest.importorskip("openai")  # absent on the GPU machine; CI installs
 API_KEY = "sk-test-123"
 MAX_TOKENS = 8
 PROMPTS = ["The fleet of graphs sails at dawn and", "Hello"]
+CHUNKS_PER_S = 200  # the replica's chunk budget here: 1 stream waits 5 ms, 10 streams the 50 ms ceiling
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 
 
@@ -39,8 +40,8 @@ def path(checkpoint_dir):
 @pytest.fixture(scope="module")
 def server(path):
     """Base URL of a running app (colocated fleet, API key required)."""
-    yield start_local_serve({"model": str(path), "overrides": OVERRIDES, "api_key": API_KEY, "model_name": "tiny",
-                             "fleet": {"name": "srv"}}, "graphfleet")
+    yield start_local_serve({"model": str(path), "overrides": [*OVERRIDES, f"serve.stream_chunks_per_s={CHUNKS_PER_S}"],
+                             "api_key": API_KEY, "model_name": "tiny", "fleet": {"name": "srv"}}, "graphfleet")
     serve.shutdown()
     ray.shutdown()
 
@@ -124,22 +125,49 @@ def test_completions_match_engine(client, reference):
         assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
-def test_stream_batches_tokens_by_the_interval(client, reference):
-    """serve.stream_batching_interval_ms (default 50): several tokens to a chunk, at most one chunk
-    per interval after the first; the same text, and usage in every chunk when asked for."""
-    prompt, max_tokens = PROMPTS[0], 48
+def _stream_texts(client, prompt, max_tokens):
+    """The text chunks of a streamed greedy completion (usage in every chunk) and the median gap
+    between their arrivals (seconds)."""
+    texts, times = [], []
+    for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}):
+        if c.choices and c.choices[0].text:
+            texts.append(c)
+            times.append(time.monotonic())
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return texts, gaps[len(gaps) // 2] if gaps else None
+
+
+def test_stream_interval_follows_the_open_streams(client, reference, server):
+    """The stream batching interval follows the load (serve.stream_chunks_per_s=200 here, ceiling
+    serve.stream_batching_interval_ms=50): a lone stream waits 5 ms (a token or two to a chunk),
+    ten at once wait up to 50 ms (several tokens to a chunk); the same text either way, and usage
+    in every chunk when asked for."""
+    prompt, max_tokens, streams = PROMPTS[0], 48, 10
     ref = reference(prompt, max_tokens)
-    started = time.monotonic()
-    chunks = list(client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
-    elapsed = time.monotonic() - started
-    texts = [c for c in chunks if c.choices and c.choices[0].text]
+    texts, lone_gap = _stream_texts(client, prompt, max_tokens)
     assert "".join(c.choices[0].text for c in texts) == ref.text
     counts = [c.usage.completion_tokens for c in texts]
     assert counts[-1] == max_tokens and counts == sorted(counts)
-    interval_s = 0.050
-    assert len(texts) <= 2 + elapsed / interval_s, (len(texts), elapsed)
+    assert lone_gap < 0.025, f"a lone stream's chunks came {lone_gap * 1e3:.1f} ms apart (median)"
+
+    results: list = [None] * streams
+
+    def one(i: int) -> None:
+        results[i] = _stream_texts(client, prompt, max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for texts, _ in results:
+        assert "".join(c.choices[0].text for c in texts) == ref.text
+    busy_gap = sorted(gap for _, gap in results)[streams // 2]
+    print(f"median chunk gap: lone {lone_gap * 1e3:.1f} ms, ten streams {busy_gap * 1e3:.1f} ms")
+    assert busy_gap > 0.030, f"ten streams' chunks came {busy_gap * 1e3:.1f} ms apart (median of medians)"
+    assert total(scrape(server), "graphfleet_stream_batching_interval_seconds") == 0.0  # none open now
 
 
 def test_batched_prompts_n_and_logprobs(client, reference):

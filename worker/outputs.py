@@ -17,6 +17,8 @@ class StepStats:
     duration_s: float  # the whole step: build the message, execute, read the tokens back, events
     execute_s: float = 0.0  # waiting for the step's tokens: from its send (sync) or from the wait's start (async)
     rank_s: float = 0.0  # of which the rank's own Worker.execute (the rest is the hop to the rank)
+    wait_s: float = 0.0  # of which the rank waited for the device to finish (0 on a CPU)
+    wait_cpu_s: float = 0.0  # the CPU the waiting thread spent in ``wait_s`` (spinning, waking)
 
 
 class FailureKind(enum.Enum):

@@ -86,6 +86,8 @@ class StepResult:
     logprobs: list[float] | None = None
     logits: object = None  # (sampled rows, vocab) float32 CPU tensor when return_logits
     rank_s: float = 0.0  # seconds the (first) rank spent in Worker.execute, timed on that rank
+    wait_s: float = 0.0  # of which waiting for the device to finish the step (0 on a CPU)
+    wait_cpu_s: float = 0.0  # the waiting thread's CPU seconds during ``wait_s``
 
 
 def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool = False,

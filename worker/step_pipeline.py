@@ -170,7 +170,8 @@ class StepPipeline:
             self.allocator.stop_holding()
         batch = step.batch
         self.step_stats.append(StepStats("prefill" if batch.is_prefill else "decode", batch.size, batch.num_tokens,
-                                         time.perf_counter() - start, execute_s, result.rank_s))
+                                         time.perf_counter() - start, execute_s, result.rank_s,
+                                         result.wait_s, result.wait_cpu_s))
         return events
 
     def _lost(self, error: Exception, *steps: InFlightStep | None) -> list[RequestEvent]:

@@ -331,8 +331,9 @@ class Worker:
         if out is None:
             self._last_tokens = []
             return StepResult(rank_s=time.perf_counter() - start)
-        tokens, logprobs = self._read_back(out.token_ids, out.logprobs, (msg.is_prefill, len(msg.input_ids)))
-        result = StepResult(tokens, logprobs)
+        tokens, logprobs, wait_s, wait_cpu_s = self._read_back(out.token_ids, out.logprobs,
+                                                               (msg.is_prefill, len(msg.input_ids)))
+        result = StepResult(tokens, logprobs, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
         self._last_tokens = result.token_ids
         if msg.return_logits:
             result.logits = logits.float().cpu()
@@ -340,8 +341,9 @@ class Worker:
         return result
 
     def _read_back(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None,
-                   key: tuple) -> tuple[list, list | None]:
-        """The step's sampled tokens (and log-probabilities) on the host: the step's one synchronisation.
+                   key: tuple) -> tuple[list, list | None, float, float]:
+        """The step's sampled tokens (and log-probabilities) on the host: the step's one synchronisation;
+        also the seconds waited for them and the thread's CPU seconds in that wait.
 
         On a GPU the thread first sleeps for most of what the same shape of step (``key``) has taken to
         finish after its launch (a running average), then waits the rest in the copy's synchronisation,
@@ -350,15 +352,15 @@ class Worker:
         bench/results/readback_ab-20261202T1033.json).
         """
         if token_ids.device.type != "cuda":
-            return token_ids.tolist(), logprobs.tolist() if logprobs is not None else None
-        launched = time.perf_counter()
+            return token_ids.tolist(), logprobs.tolist() if logprobs is not None else None, 0.0, 0.0
+        launched, cpu = time.perf_counter(), time.thread_time()
         expected = self._wait_s.get(key, 0.0)
         if expected > _SLEEP_MARGIN_S:
             time.sleep(expected - _SLEEP_MARGIN_S)
         tokens = token_ids.tolist()
-        waited = time.perf_counter() - launched
+        waited, cpu = time.perf_counter() - launched, time.thread_time() - cpu
         self._wait_s[key] = waited if key not in self._wait_s else 0.8 * expected + 0.2 * waited
-        return tokens, logprobs.tolist() if logprobs is not None else None
+        return tokens, logprobs.tolist() if logprobs is not None else None, waited, cpu
 
     def submit(self, msg: StepMessage) -> DeferredStep:
         """The step, run when its result is read (see :class:`worker.executor.DeferredStep`)."""

@@ -26,10 +26,14 @@ class ServeConfig(Section):
     request_timeout_s: default deadline of a request from submission; None = no deadline.
     gil_switch_interval_ms: the Serve replica's ``sys.setswitchinterval`` in ms; None = Python's 5 ms
         (the fleet loop thread may wait this long for the GIL behind the replica's HTTP loop).
-    stream_batching_interval_ms: a streamed choice's tokens go out at most once per this many ms
-        (the first token and the finish at once), several tokens to a chunk, as Ray Serve LLM's
-        ``stream_batching_interval_ms``; 0 = every step's tokens as they come (vLLM's and SGLang's
-        default). Each chunk costs the replica a JSON body and a message through Serve's proxy.
+    stream_batching_interval_ms: the longest a streamed choice's tokens wait to go out together (the
+        first token and the finish never wait), as Ray Serve LLM's ``stream_batching_interval_ms``;
+        0 = every step's tokens as they come (vLLM's and SGLang's default). Each chunk costs the
+        replica a JSON body and a message through Serve's proxy.
+    stream_chunks_per_s: the replica's chunk budget, which makes the interval follow the load: with S
+        choices streaming, each waits ``min(stream_batching_interval_ms, S / stream_chunks_per_s)``,
+        so a lone stream gets every token as it comes and a busy replica coalesces
+        (:class:`deploy.stream_pacing.StreamPacer`); > 0, or null for the fixed interval.
     drain_timeout_s: on shutdown (SIGTERM to ``graphfleet serve``, the Helm chart's preStop, Serve's
         replica shutdown) new requests get 503 and those in flight may run this long before they end
         with finish_reason "abort" (>= 0). Serve's ``graceful_shutdown_timeout_s`` and the pods'
@@ -48,6 +52,7 @@ class ServeConfig(Section):
     request_timeout_s: float | None = None
     gil_switch_interval_ms: float | None = None
     stream_batching_interval_ms: float = 50.0
+    stream_chunks_per_s: float | None = 2000.0
     drain_timeout_s: float = 30.0
     max_request_bytes: int = 16 * 1024 * 1024
     preprocess_workers: int = 2
@@ -62,6 +67,8 @@ class ServeConfig(Section):
         check(g is None or 0 < g <= 1000, "gil_switch_interval_ms", f"must be in (0, 1000] or null, got {g!r}")
         b = self.stream_batching_interval_ms
         check(0 <= b <= 1000, "stream_batching_interval_ms", f"must be in [0, 1000], got {b!r}")
+        c = self.stream_chunks_per_s
+        check(c is None or c > 0, "stream_chunks_per_s", f"must be > 0 or null, got {c!r}")
         d = self.drain_timeout_s
         check(0 <= d <= 86400, "drain_timeout_s", f"must be in [0, 86400], got {d!r}")
         m = self.max_request_bytes

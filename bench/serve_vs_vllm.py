@@ -1,0 +1,171 @@
+"""graphfleet's Serve app and vLLM's OpenAI server side by side: the same checkpoint, GPU and load.
+
+One invocation serves the checkpoint with ``vllm serve`` (vLLM's OpenAI API server, run from its
+own site directory in a process of its own: its pins differ from ours), sends it the load of
+``bench/serve.py`` (``--num-prompts`` random-token prompts per rate of ``--rates``, Poisson
+arrivals, streamed, ``--input-len`` in and ``--output-len`` out, the same seeds), stops it, then
+starts graphfleet's app on the same checkpoint and sends it the same prompts. Output tokens/s,
+TTFT, TPOT and ITL per rate go side by side with graphfleet over vLLM. A peer that fails to start
+or to serve is a row with its error, never a crashed bench.
+
+GPU machine: stage vLLM with ``../shared/device/stage-wheels --set vllm`` (it installs into
+/tmp/vllm-site), then ``PYTHONPATH=/tmp/site:. python3 bench/serve_vs_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+from bench.serve import CPU_OVERRIDES, _get, start_app, wait_healthy  # noqa: E402
+from bench.serve_load import random_prompts, run_load, summarize  # noqa: E402
+
+COLUMNS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
+           "completed", "failed")
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rates(base: str, args: argparse.Namespace, vocab: int) -> list[dict]:
+    """``bench/serve.py``'s load against ``base``: warm-up requests, then every rate of ``--rates``."""
+    model = json.loads(_get(f"{base}/v1/models")[1])["data"][0]["id"]
+    for ids in random_prompts(args.warmup, args.input_len, vocab, args.seed + 1):
+        asyncio.run(run_load(base, model, [ids], args.output_len, float("inf"), args.seed))
+    rows = []
+    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed + 100 + i)
+        records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, rate, args.seed + i))
+        rows.append({"rate": rate, **summarize(records, duration, None, None)})
+    return rows
+
+
+def vllm_rows(path: Path, args: argparse.Namespace, vocab: int) -> tuple[list[dict] | None, str | None, float]:
+    """vLLM's rows, or why there are none; and the seconds its server took to be ready."""
+    site = Path(args.vllm_site)
+    if not (site / "vllm").is_dir():
+        return None, f"vLLM is not installed in {site} (stage it with stage-wheels --set vllm)", 0.0
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | VLLM_ENV | {"PYTHONPATH": str(site)}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
+           "--port", str(port), "--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization),
+           "--max-model-len", str(args.max_model_len), *args.vllm_arg]
+    log = open(Path(os.environ.get("OUT") or "/tmp") / "vllm-server.log", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                return None, f"vllm serve exited with {proc.returncode} before it was ready (see vllm-server.log)", 0.0
+            if time.monotonic() - t0 > args.start_timeout_s:
+                return None, f"vllm serve was not ready within {args.start_timeout_s} s", 0.0
+            try:
+                if _get(f"{base}/health", timeout=2.0)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1.0)
+        ready_s = time.monotonic() - t0
+        try:
+            return run_rates(base, args, vocab), None, ready_s
+        except Exception as e:  # noqa: BLE001 - a failed peer is a row with its error
+            return None, f"load against vllm serve failed: {type(e).__name__}: {e}", ready_s
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def graphfleet_rows(path: Path, args: argparse.Namespace, vocab: int) -> tuple[list[dict] | None, str | None, float]:
+    """graphfleet's rows (its Serve app on ``path``), or why there are none; and its seconds to ready."""
+    from ray import serve
+
+    t0 = time.monotonic()
+    try:
+        cpu = [] if torch.cuda.is_available() else list(CPU_OVERRIDES)
+        base = start_app(path, [*cpu, f"cluster.mode={args.mode}", *args.set], args.preset)
+        wait_healthy(base, args.start_timeout_s)
+        ready_s = time.monotonic() - t0
+        return run_rates(base, args, vocab), None, ready_s
+    except Exception as e:  # noqa: BLE001 - reported as the row's error
+        return None, f"{type(e).__name__}: {e}", time.monotonic() - t0
+    finally:
+        serve.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tinyllama-1.1b")
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="graphfleet config override")
+    ap.add_argument("--rates", default="16,inf")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="vLLM's --max-model-len")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    ap.add_argument("--vllm-site", default="/tmp/vllm-site", help="where vLLM and its pins are installed")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
+    ap.add_argument("--peers", default="vllm,graphfleet", help="which servers to run, in order")
+    args = ap.parse_args()
+    path = ensure_checkpoint(args.preset, Path(args.checkpoints))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    runners = {"vllm": vllm_rows, "graphfleet": graphfleet_rows}
+    results = {}
+    for peer in args.peers.split(","):
+        rows, error, ready_s = runners[peer](path, args, vocab)
+        results[peer] = {"rows": rows, "error": error, "ready_s": ready_s}
+        print(f"{peer}: ready in {ready_s:.0f} s" + (f"; error: {error}" if error else ""))
+    table = []
+    for peer, r in results.items():
+        if r["rows"] is None:
+            table.append({"peer": peer, "rate": "-", "error": r["error"]})
+            continue
+        table.extend({"peer": peer, "rate": f"{row['rate']:g}", **{c: row[c] for c in COLUMNS}} for row in r["rows"])
+    gf, vl = results.get("graphfleet", {}).get("rows"), results.get("vllm", {}).get("rows")
+    ratios = []
+    if gf and vl:
+        for a, b in zip(gf, vl):
+            ratios.append({"rate": f"{a['rate']:g}"} | {
+                f"{c}_gf_over_vllm": (a[c] / b[c] if a[c] and b[c] else None)
+                for c in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms")})
+    print_table(table, ["peer", "rate", *COLUMNS, "error"])
+    if ratios:
+        print()
+        print_table(ratios, list(ratios[0]))
+    out = write_results(f"serve_vs_vllm-{args.preset}", {"env": environment(), "args": vars(args),
+                                                          "results": results, "ratios": ratios})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
