@@ -106,35 +106,49 @@ def leader_profile(pid: int, seconds: float, tag: str) -> dict:
     return result
 
 
+def _decoding(fleet: Fleet, batch: int, context: int, vocab: int, seed: int) -> list:
+    """``batch`` fresh greedy streams of ``context`` random prompt tokens, each past its 8th token."""
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    handles = [fleet.submit(torch.randint(10, vocab, (context,), generator=g).tolist(), params)
+               for _ in range(batch)]
+    end = time.monotonic() + 600
+    while min(len(h.token_times) for h in handles) < 8:
+        if time.monotonic() > end:
+            for h in handles:
+                h.abort()
+            raise RuntimeError("the fleet's streams did not start decoding within 600 s")
+        time.sleep(0.05)
+    return handles
+
+
 def fleet_decode(fleet: Fleet, batch: int, context: int, window_s: float, vocab: int,
                  profile_s: float = 0.0, tag: str = "") -> dict[str, float]:
     """Steady decode of ``batch`` streams through ``fleet``: the leader's engine step and the
-    step that the tokens reaching the clients imply (seconds)."""
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    step that the tokens reaching the clients imply (seconds); with ``profile_s``, py-spy's view
+    of the leader over fresh streams afterwards."""
     [member] = fleet.members
     leader = member.group.rank_actors()[0]
-    handles = [fleet.submit(torch.randint(10, vocab, (context,), generator=g).tolist(), params)
-               for _ in range(batch)]
+    handles = _decoding(fleet, batch, context, vocab, batch)
     try:
-        end = time.monotonic() + 600
-        while min(len(h.token_times) for h in handles) < 8:
-            if time.monotonic() > end:
-                raise RuntimeError("the fleet's streams did not start decoding within 600 s")
-            time.sleep(0.05)
         since = len(_leader_stats(leader))
         t0 = time.monotonic()
         time.sleep(window_s)
         t1 = time.monotonic()
         stats = _leader_stats(leader)[since:]
         delivered = sum(sum(1 for t in h.token_times if t0 <= t < t1) for h in handles)
-        profile = None
-        if profile_s > 0:
-            pid = ray.get(leader.__ray_call__.remote(lambda a: os.getpid()), timeout=60)
-            profile = leader_profile(pid, profile_s, tag)
     finally:
         for h in handles:
             h.abort()
+    profile = None
+    if profile_s > 0:
+        handles = _decoding(fleet, batch, context, vocab, batch + 1)
+        try:
+            pid = ray.get(leader.__ray_call__.remote(lambda a: os.getpid()), timeout=60)
+            profile = leader_profile(pid, profile_s, tag)
+        finally:
+            for h in handles:
+                h.abort()
     decode = [s for s in stats if s[0] == "decode" and s[1] == batch]
     waited = sum(s[3] for s in decode)
     return {"leader_step_s": statistics.median(s[2] for s in decode),
@@ -150,7 +164,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--window-s", type=float, default=3.0, help="steady-decoding window of the fleet side")
+    ap.add_argument("--window-s", type=float, default=2.0,
+                    help="steady-decoding window of the fleet side (the streams must not reach max_model_len in it)")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--scheduling", default="sync,async", help="scheduler modes to measure (sync, async)")
     ap.add_argument("--profile-s", type=float, default=0.0,
@@ -162,7 +177,8 @@ def main() -> None:
     overrides = [f"model.path={path}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
                  f"model.device={'cuda' if cuda else 'cpu'}", f"scheduler.max_running_requests={max(batches)}",
                  f"graphs.decode.max_batch_size={max(batches)}", "graphs.capture=decode",
-                 f"cache.num_pages={max(batches) * (args.context // 16 + 16) + 64}"]
+                 # room for every stream's whole window (a preempted stream would make other steps)
+                 f"cache.num_pages={max(batches) * ((args.context + 2600) // 16 + 1) + 64}"]
     default_async = load_config(None, []).scheduler.async_scheduling
     profile_s = args.profile_s if args.profile_s > 0 and _py_spy_path() else 0.0
     if args.profile_s > 0 and not profile_s:

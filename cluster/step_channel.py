@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from worker.executor import DeferredStep
+from worker.executor import PendingLaunch
 from worker.step_message import StepMessage, StepResult
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,10 @@ class LeaderExecutor:
         self.num_pages = worker.num_pages
         self.max_len = worker.max_len
 
-    def submit(self, msg: StepMessage) -> DeferredStep:
+    def submit(self, msg: StepMessage) -> PendingLaunch:
         if self.channel is not None:
             self.channel.send((STEP, msg))
-        return DeferredStep(self.worker.execute, msg)
+        return PendingLaunch(self.worker, msg)
 
     def execute(self, msg: StepMessage) -> StepResult:
         return self.submit(msg).result()
@@ -116,7 +116,7 @@ def follow(channel: StepChannel, worker, stage, import_shard) -> None:
         order = channel.receive()
         kind = order[0]
         if kind == STEP:
-            worker.execute(order[1])
+            worker.launch(order[1], read_back=False)  # tokens stay on the device for the next step's inputs
         elif kind == STAGE:
             stage(order[1], order[2])
         elif kind == IMPORT:

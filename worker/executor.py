@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from worker.model.arch import ModelArch
 from worker.step_message import StepMessage, StepResult
@@ -27,17 +28,36 @@ class PendingStep(Protocol):
     def result(self) -> StepResult: ...
 
 
-class DeferredStep:
-    """A step that runs when its result is asked for: a local worker's ``submit`` (nothing runs
-    beside the engine, so the order of results is the order of execution)."""
+@dataclass
+class LaunchedStep:
+    """A step whose device work a worker has queued (:meth:`worker.worker.Worker.launch`).
 
-    def __init__(self, run, msg: StepMessage) -> None:
-        self._run, self._msg = run, msg
+    out: the sampled tokens on the device (None when no row samples); host: the pinned host copies
+    being made and the event that ends them (None on a CPU, or on a rank that reads nothing back);
+    logits: a float32 device copy of the step's logits when asked for; key: the step's shape (its
+    expected duration is kept per shape); launched / launch_s: when the launch began and how long it took.
+    """
+
+    out: Any
+    host: tuple | None
+    logits: Any
+    key: tuple
+    launched: float
+    launch_s: float
+
+
+class PendingLaunch:
+    """A local worker's ``submit``: the step is launched at once (steps queue on the device in
+    submission order) and :meth:`result` waits for its tokens (once; later calls return the same)."""
+
+    def __init__(self, worker, msg: StepMessage) -> None:
+        self._worker = worker
+        self._launched = worker.launch(msg)
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
         if self._result is None:
-            self._result = self._run(self._msg)
+            self._result = self._worker.finish(self._launched)
         return self._result
 
 

@@ -45,9 +45,16 @@ class ModelRunner:
         self.prefill_runner = prefill_runner
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
 
-    def prepare(self, msg: StepMessage) -> StepInputs:
+    def prepare(self, msg: StepMessage, previous: torch.Tensor | None = None) -> StepInputs:
+        """The step's device inputs; ``msg.from_previous`` inputs are taken from ``previous`` (the
+        device tokens of the step before) on the device, so nothing waits for that step."""
         packed = torch.tensor([msg.input_ids, msg.positions], dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(msg.logits_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        if msg.from_previous:
+            if previous is None:
+                raise ValueError("the step takes inputs from the previous step's tokens, and there are none")
+            where = torch.tensor(msg.from_previous, dtype=torch.int64).to(self.device, non_blocking=True)
+            packed[0].index_copy_(0, where[:, 0], previous.index_select(0, where[:, 1]).to(torch.int64))
         return StepInputs(packed[0], packed[1], msg.attention_batch(), rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -73,9 +80,11 @@ class ModelRunner:
         live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests)
         return self.prefill_runner.run(live, lambda: self.forward(inputs))
 
-    def execute(self, msg: StepMessage) -> tuple[SampleOutput | None, torch.Tensor | None]:
-        """Run one step; returns the sampled tokens (None if no row samples) and the logits used."""
-        inputs = self.prepare(msg)
+    def execute(self, msg: StepMessage, previous: torch.Tensor | None = None,
+                ) -> tuple[SampleOutput | None, torch.Tensor | None]:
+        """Run one step (``previous``: see :meth:`prepare`); returns the sampled tokens (None if no
+        row samples) and the logits used, on the device and possibly not yet computed."""
+        inputs = self.prepare(msg, previous)
         if not msg.is_prefill:
             logits = self.decode_logits(inputs)
         else:

@@ -27,7 +27,7 @@ from graphs.profile import BatchProfile
 from graphs.runner import GraphRunner
 from worker.attention.factory import create_attention_backend
 from worker.config import EngineConfig
-from worker.executor import DeferredStep
+from worker.executor import LaunchedStep, PendingLaunch
 from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.model.arch import ModelArch
 from worker.model.kernels import select_kernels
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 #: How much earlier than a step is expected to finish its read-back stops sleeping and starts spinning.
-_SLEEP_MARGIN_S = 0.0003
+_SLEEP_MARGIN_S = 0.0002
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,7 +95,10 @@ class Worker:
             sched.chunked_prefill_size)
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
-        self._last_tokens: list[int] = []  # sampled by the last step (async scheduling's inputs)
+        self._last_sampled: torch.Tensor | None = None  # device tokens of the last step (async scheduling's inputs)
+        self._last_count = 0  # how many it sampled
+        self._slots: list[tuple] = []  # pinned host slots for sampled tokens (see _copy_to_host)
+        self._next_slot = 0
         self._wait_s: dict[tuple, float] = {}  # per step shape: launch-to-done seconds, running average (GPU)
         self._tc_step: CompiledPrefillStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
@@ -315,56 +318,92 @@ class Worker:
 
     # ----- steps -----
 
-    def execute(self, msg: StepMessage) -> StepResult:
-        """Run one step and read its tokens back (the step's one host synchronisation).
+    def launch(self, msg: StepMessage, read_back: bool = True) -> LaunchedStep:
+        """Queue one step's device work (inputs, forward, sampling) and, with ``read_back``, the copy of
+        its tokens to the host; returns without waiting for the device (see :meth:`finish`).
 
-        Inputs the engine has not read back yet (``msg.from_previous``) are this worker's tokens of
-        the step it ran last.
+        Inputs the engine has not read back yet (``msg.from_previous``) are taken on the device from
+        the tokens of the step this worker launched last, so a step can be launched while the one
+        before it still runs (async scheduling). A follower rank launches without ``read_back``.
         """
         start = time.perf_counter()
         for pos, row in msg.from_previous:
-            if row >= len(self._last_tokens):
+            if row >= self._last_count:
                 raise ValueError(f"step input {pos} wants row {row} of the previous step's tokens, which "
-                                 f"sampled {len(self._last_tokens)}")
-            msg.input_ids[pos] = self._last_tokens[row]
-        out, logits = self.runner.execute(msg)
+                                 f"sampled {self._last_count}")
+        out, logits = self.runner.execute(msg, self._last_sampled if msg.from_previous else None)
         if out is None:
-            self._last_tokens = []
-            return StepResult(rank_s=time.perf_counter() - start)
-        tokens, logprobs, wait_s, wait_cpu_s = self._read_back(out.token_ids, out.logprobs,
-                                                               (msg.is_prefill, len(msg.input_ids)))
-        result = StepResult(tokens, logprobs, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
-        self._last_tokens = result.token_ids
-        if msg.return_logits:
-            result.logits = logits.float().cpu()
-        result.rank_s = time.perf_counter() - start
-        return result
+            self._last_sampled, self._last_count = None, 0
+            return LaunchedStep(None, None, None, (msg.is_prefill, len(msg.input_ids)), start,
+                                time.perf_counter() - start)
+        self._last_sampled, self._last_count = out.token_ids, out.token_ids.shape[0]
+        logits_copy = logits.to(torch.float32, copy=True) if msg.return_logits else None
+        host = self._copy_to_host(out) if read_back and self.device.type == "cuda" else None
+        return LaunchedStep(out, host, logits_copy, (msg.is_prefill, len(msg.input_ids)), start,
+                            time.perf_counter() - start)
 
-    def _read_back(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None,
-                   key: tuple) -> tuple[list, list | None, float, float]:
-        """The step's sampled tokens (and log-probabilities) on the host: the step's one synchronisation;
-        also the seconds waited for them and the thread's CPU seconds in that wait.
+    def _copy_to_host(self, out) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
+        """Queue ``out``'s copy into the next pinned host slot and mark its end with the slot's event.
 
-        On a GPU the thread first sleeps for most of what the same shape of step (``key``) has taken to
-        finish after its launch (a running average), then waits the rest in the copy's synchronisation,
-        which spins: an engine loop waiting on its step leaves its core to its process, and the step
-        pays no wake-up latency (a blocking CUDA event cost 0.2 ms a step on the H200:
+        Slots are reused round-robin: a slot comes back after ``len(self._slots)`` launches, by which
+        time its step has been finished (at most two steps are launched and unread).
+        """
+        n = out.token_ids.shape[0]
+        if not self._slots or self._slots[0][0].shape[0] < n:
+            cap = max(n, 2 * self._slots[0][0].shape[0] if self._slots else 1024)
+            self._slots = [(torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                            torch.empty(cap, dtype=torch.float32, pin_memory=True),
+                            torch.cuda.Event()) for _ in range(3)]
+        tokens, logprobs, done = self._slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._slots)
+        tokens[:n].copy_(out.token_ids, non_blocking=True)
+        if out.logprobs is not None:
+            logprobs[:n].copy_(out.logprobs, non_blocking=True)
+        done.record()
+        return tokens[:n], logprobs[:n] if out.logprobs is not None else None, done
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (and log-probabilities): the step's one synchronisation.
+
+        On a GPU the thread first sleeps for most of what the same shape of step has taken from its
+        launch to its end (a running average), then waits the rest on the copy's event, which spins
+        without the GIL: an engine loop waiting on its step leaves the interpreter to its process, and
+        the step pays no wake-up latency (a blocking CUDA event cost 0.2 ms a step on the H200:
         bench/results/readback_ab-20261202T1033.json).
         """
-        if token_ids.device.type != "cuda":
-            return token_ids.tolist(), logprobs.tolist() if logprobs is not None else None, 0.0, 0.0
-        launched, cpu = time.perf_counter(), time.thread_time()
-        expected = self._wait_s.get(key, 0.0)
-        if expected > _SLEEP_MARGIN_S:
-            time.sleep(expected - _SLEEP_MARGIN_S)
-        tokens = token_ids.tolist()
-        waited, cpu = time.perf_counter() - launched, time.thread_time() - cpu
-        self._wait_s[key] = waited if key not in self._wait_s else 0.8 * expected + 0.2 * waited
-        return tokens, logprobs.tolist() if logprobs is not None else None, waited, cpu
+        if step.out is None:
+            return StepResult(rank_s=step.launch_s)
+        begin, cpu = time.perf_counter(), time.thread_time()
+        if step.host is None:  # CPU: the step has run already
+            tokens = step.out.token_ids.tolist()
+            logprobs = step.out.logprobs.tolist() if step.out.logprobs is not None else None
+            wait_s = wait_cpu_s = 0.0
+        else:
+            host_tokens, host_logprobs, done = step.host
+            expected = self._wait_s.get(step.key, 0.0)
+            nap = step.launched + expected - _SLEEP_MARGIN_S - begin
+            if nap > 0:
+                time.sleep(nap)
+            done.synchronize()
+            end = time.perf_counter()
+            took = end - step.launched
+            self._wait_s[step.key] = took if step.key not in self._wait_s else 0.8 * expected + 0.2 * took
+            wait_s, wait_cpu_s = end - begin, time.thread_time() - cpu
+            tokens = host_tokens.tolist()
+            logprobs = host_logprobs.tolist() if host_logprobs is not None else None
+        result = StepResult(tokens, logprobs, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
+        if step.logits is not None:
+            result.logits = step.logits.cpu()
+        result.rank_s = step.launch_s + time.perf_counter() - begin
+        return result
 
-    def submit(self, msg: StepMessage) -> DeferredStep:
-        """The step, run when its result is read (see :class:`worker.executor.DeferredStep`)."""
-        return DeferredStep(self.execute, msg)
+    def execute(self, msg: StepMessage) -> StepResult:
+        """Run one step and read its tokens back (:meth:`launch`, then :meth:`finish`)."""
+        return self.finish(self.launch(msg))
+
+    def submit(self, msg: StepMessage) -> PendingLaunch:
+        """Launch the step now; its result is read when asked for (see :class:`PendingLaunch`)."""
+        return PendingLaunch(self, msg)
 
     def shutdown(self) -> None:
         """Release graphs before the buffers and communicators they point at."""
