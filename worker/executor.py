@@ -35,7 +35,8 @@ class LaunchedStep:
     out: the sampled tokens on the device (None when no row samples); host: the pinned host copies
     being made and the event that ends them (None on a CPU, or on a rank that reads nothing back);
     logits: a float32 device copy of the step's logits when asked for; key: the step's shape (its
-    expected duration is kept per shape); launched / launch_s: when the launch began and how long it took.
+    expected duration is kept per shape); launched / launch_s: when the launch began and how long it took;
+    number: the worker's launch count at this launch (the newest launch has the current count).
     """
 
     out: Any
@@ -44,6 +45,7 @@ class LaunchedStep:
     key: tuple
     launched: float
     launch_s: float
+    number: int
 
 
 class PendingLaunch:

@@ -99,6 +99,7 @@ class Worker:
         self._last_count = 0  # how many it sampled
         self._slots: list[tuple] = []  # pinned host slots for sampled tokens (see _copy_to_host)
         self._next_slot = 0
+        self._launches = 0  # steps launched so far (a LaunchedStep's number)
         self._wait_s: dict[tuple, float] = {}  # per step shape: launch-to-done seconds, running average (GPU)
         self._tc_step: CompiledPrefillStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
@@ -327,6 +328,7 @@ class Worker:
         before it still runs (async scheduling). A follower rank launches without ``read_back``.
         """
         start = time.perf_counter()
+        self._launches += 1
         for pos, row in msg.from_previous:
             if row >= self._last_count:
                 raise ValueError(f"step input {pos} wants row {row} of the previous step's tokens, which "
@@ -335,12 +337,12 @@ class Worker:
         if out is None:
             self._last_sampled, self._last_count = None, 0
             return LaunchedStep(None, None, None, (msg.is_prefill, len(msg.input_ids)), start,
-                                time.perf_counter() - start)
+                                time.perf_counter() - start, self._launches)
         self._last_sampled, self._last_count = out.token_ids, out.token_ids.shape[0]
         logits_copy = logits.to(torch.float32, copy=True) if msg.return_logits else None
         host = self._copy_to_host(out) if read_back and self.device.type == "cuda" else None
         return LaunchedStep(out, host, logits_copy, (msg.is_prefill, len(msg.input_ids)), start,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, self._launches)
 
     def _copy_to_host(self, out) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
         """Queue ``out``'s copy into the next pinned host slot and mark its end with the slot's event.
@@ -380,14 +382,19 @@ class Worker:
             wait_s = wait_cpu_s = 0.0
         else:
             host_tokens, host_logprobs, done = step.host
+            # Only the newest launch naps and learns: an older one (async scheduling) was launched
+            # before this thread's own work since, so its launch-to-done time counts that work and
+            # any nap, and learning from it lengthens every later nap (a loop that only slows down).
+            newest = step.number == self._launches
             expected = self._wait_s.get(step.key, 0.0)
             nap = step.launched + expected - _SLEEP_MARGIN_S - begin
-            if nap > 0:
+            if newest and nap > 0:
                 time.sleep(nap)
             done.synchronize()
             end = time.perf_counter()
-            took = end - step.launched
-            self._wait_s[step.key] = took if step.key not in self._wait_s else 0.8 * expected + 0.2 * took
+            if newest:
+                took = end - step.launched
+                self._wait_s[step.key] = took if step.key not in self._wait_s else 0.8 * expected + 0.2 * took
             wait_s, wait_cpu_s = end - begin, time.thread_time() - cpu
             tokens = host_tokens.tolist()
             logprobs = host_logprobs.tolist() if host_logprobs is not None else None
