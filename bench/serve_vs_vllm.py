@@ -145,6 +145,11 @@ def main() -> None:
         rows, error, ready_s = runners[peer](path, args, vocab)
         results[peer] = {"rows": rows, "error": error, "ready_s": ready_s}
         print(f"{peer}: ready in {ready_s:.0f} s" + (f"; error: {error}" if error else ""))
+        if rows:
+            print_table([{"rate": f"{r['rate']:g}", **{c: r[c] for c in COLUMNS}} for r in rows], ["rate", *COLUMNS])
+        # What is done so far survives a later peer's crash or a timeout of the whole run.
+        write_results(f"serve_vs_vllm-{args.preset}-partial", {"env": environment(), "args": vars(args),
+                                                                "results": results})
     table = []
     for peer, r in results.items():
         if r["rows"] is None:
