@@ -225,3 +225,12 @@ def test_step_message_wire_form_round_trips():
         assert back == msg
         assert back.params[0] is back.params[2] and back.params[0] is not back.params[1]
         assert back.params[0].stop == ("a", "bc") and hash(back.params[1]) == hash(own)
+
+
+def test_request_tokens_slices_prompt_and_output_without_building_both():
+    from worker.request import Request
+
+    r = Request("r", [1, 2, 3, 4], SamplingParams(), 0, 0)
+    r.output_ids = [5, 6, 7]
+    full = r.token_ids
+    assert all(r.tokens(a, b) == full[a:b] for a in range(9) for b in range(a, 10))

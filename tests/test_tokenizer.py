@@ -246,3 +246,27 @@ def test_incremental_decoder_special_tokens(tok_dirs):
     prompt = tok.encode("Once upon a time")
     gen = tok.encode(" there was a clock.", add_special_tokens=False)
     assert "".join(_stream(tok, gen, prefix_ids=prompt)) == " there was a clock."
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_a_step_decoded_together_equals_each_request_decoded_alone(tok_dirs, name):
+    """add_each (one backend call for a step's tokens of every request) gives every decoder the deltas
+    and state that add() token by token gives it: split characters, special tokens skipped or kept,
+    prompt context, and requests of different lengths in one step."""
+    from worker.tokenizer import add_each
+
+    tok = Tokenizer.from_dir(tok_dirs[name])
+    eos = tok.eos_token_ids[0]
+    texts = [*TEXTS, "東京🙂" * 5, "ñ" * 7 + "🇳🇴" * 3]
+    streams = [tok.encode(t, add_special_tokens=False) + [eos] + tok.encode(" end", add_special_tokens=False)
+               for t in texts]
+    kws = [{"skip_special_tokens": i % 2 == 0, "prefix_ids": tok.encode("Once") if i % 3 == 0 else ()}
+           for i in range(len(streams))]
+    alone = [tok.incremental_decoder(**kw) for kw in kws]
+    together = [tok.incremental_decoder(**kw) for kw in kws]
+    for step in range(max(map(len, streams))):
+        live = [i for i, ids in enumerate(streams) if step < len(ids)]
+        expected = [alone[i].add(streams[i][step]) for i in live]
+        assert add_each([together[i] for i in live], [streams[i][step] for i in live]) == expected
+    assert [d.text for d in together] == [d.text for d in alone]
+    assert [d.flush() for d in together] == [d.flush() for d in alone]

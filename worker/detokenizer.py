@@ -8,6 +8,8 @@ stream always equals the final text.
 
 from __future__ import annotations
 
+from worker.tokenizer import IncrementalDecoder, add_each
+
 
 class OutputText:
     def __init__(self, decoder, stop: tuple[str, ...]) -> None:
@@ -19,8 +21,12 @@ class OutputText:
 
     def append(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (text delta safe to stream, whether a stop string matched)."""
+        return self.take(self.decoder.add(token_id))
+
+    def take(self, piece: str) -> tuple[str, bool]:
+        """Add the text ``piece`` that a token completed (see :func:`append_each`); as :meth:`append`."""
         before = len(self.text)
-        self.text += self.decoder.add(token_id)
+        self.text += piece
         if self.stop:
             search_from = max(0, before - self.holdback)
             hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
@@ -37,3 +43,15 @@ class OutputText:
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
+
+
+def append_each(texts: list[OutputText], token_ids: list[int]) -> list[tuple[str, bool]]:
+    """``[t.append(tok) for t, tok in zip(texts, token_ids)]``, detokenizing all the tokens in one
+    batch (:func:`worker.tokenizer.add_each`) where the texts have a tokenizer's decoder."""
+    batched = [i for i, t in enumerate(texts) if isinstance(t.decoder, IncrementalDecoder)]
+    pieces = [""] * len(texts)
+    if batched:
+        for i, piece in zip(batched, add_each([texts[i].decoder for i in batched], [token_ids[i] for i in batched])):
+            pieces[i] = piece
+    done = set(batched)
+    return [t.take(pieces[i]) if i in done else t.append(tok) for i, (t, tok) in enumerate(zip(texts, token_ids))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 
-from worker.detokenizer import OutputText
+from worker.detokenizer import OutputText, append_each
 from worker.outputs import RequestEvent
 from worker.request import Request
 from worker.scheduler import Scheduler
@@ -66,6 +66,19 @@ class OutputProcessor:
 
     def append_token(self, req: Request, token: int, logprob: float | None) -> RequestEvent:
         """Append a sampled ``token`` to ``req``; finishes it when it ends here. Returns its event."""
+        return self._decide(req, token, logprob, *self._texts[req.request_id].append(token))
+
+    def append_tokens(self, sampled: list[tuple[Request, int, float | None]]) -> list[RequestEvent]:
+        """:meth:`append_token` of each ``(request, token, logprob)`` of a step, in order, with the
+        step's tokens detokenized together (one batch for all its requests)."""
+        texts = [self._texts[req.request_id] for req, _, _ in sampled]
+        pieces = append_each(texts, [token for _, token, _ in sampled])
+        return [self._decide(req, token, lp, delta, stopped)
+                for (req, token, lp), (delta, stopped) in zip(sampled, pieces)]
+
+    def _decide(self, req: Request, token: int, logprob: float | None, delta: str, stopped: bool) -> RequestEvent:
+        """Record ``token`` (whose text ``delta`` is streamable; ``stopped``: a stop string matched) on
+        ``req``, decide whether it ends here, and return its event."""
         req.prefilling = False
         req.output_ids.append(token)
         if logprob is not None and req.params.logprobs:
@@ -73,7 +86,6 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         text = self._texts[req.request_id]
-        delta, stopped = text.append(token)
         p = req.params
         reason = None
         if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:

@@ -48,6 +48,15 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``token_ids[start:stop]`` without building the whole sequence (a decode step asks for one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

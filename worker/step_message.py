@@ -104,7 +104,7 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
     steps: list[int] = []
     from_previous: list[tuple[int, int]] = []
     for req, start, n, sample_row in zip(batch.requests, batch.start, batch.num_new, batch.sample):
-        known = req.token_ids[start:start + n]
+        known = req.tokens(start, start + n)
         ids.extend(known)
         if len(known) < n:  # only the last token can be in flight (one step ahead at most)
             if previous_rows is None or n - len(known) != 1 or id(req) not in previous_rows:

@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 class TokenConsumer(Protocol):
     """Where the pipeline's sampled tokens go (the engine's output processor)."""
 
-    def append_token(self, req: Request, token: int, logprob: float | None) -> RequestEvent:
-        """Append ``token`` (sampled for ``req``, which is still running) and return ``req``'s event."""
+    def append_tokens(self, sampled: list[tuple[Request, int, float | None]]) -> list[RequestEvent]:
+        """Append each ``(request, token, logprob)`` of a step in order (each request still running
+        when its token is appended) and return their events."""
 
     def fail_all(self, reason: str) -> list[RequestEvent]:
         """End every request with an error: no executor will run steps any more."""
@@ -158,13 +159,14 @@ class StepPipeline:
         except (ExecutorFailed, ExecutorUnavailable) as e:
             return self._lost(e, step)
         execute_s = time.perf_counter() - waited
-        events = []
+        landed = []
         logprobs = result.logprobs if result.logprobs is not None else [None] * len(result.token_ids)
         for (req, preemptions), token, lp in zip(step.sampled, result.token_ids, logprobs):
             if req.finished or req.num_preemptions != preemptions:
                 continue  # ended or restarted after this step was sent: the token is not its
             req.num_pending -= 1
-            events.append(self.consumer.append_token(req, token, lp))
+            landed.append((req, token, lp))
+        events = self.consumer.append_tokens(landed)
         self.allocator.release(step.held)
         if self._in_flight is None:
             self.allocator.stop_holding()

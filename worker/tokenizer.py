@@ -270,6 +270,13 @@ class Tokenizer:
                 ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
 
+    def decode_batch(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """:meth:`decode` of each of ``sequences`` in one call (the backend decodes them outside the GIL)."""
+        try:
+            return self._backend.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+        except OverflowError as e:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; ids without a token are dropped (as HF does)."""
         try:
@@ -366,9 +373,12 @@ class IncrementalDecoder:
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
-    def _delta(self, final: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
+    def _windows(self) -> tuple[list[int], list[int]]:
+        """The ids whose texts :meth:`_accept` compares: the emitted context, and it with the new ids."""
+        return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
+
+    def _accept(self, prefix_text: str, new_text: str, final: bool) -> str:
+        """The text that became final, given the decoded :meth:`_windows`."""
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text) :]
@@ -377,10 +387,28 @@ class IncrementalDecoder:
         self._chunks.append(delta)
         return delta
 
+    def _delta(self, final: bool) -> str:
+        prefix, new = self._windows()
+        return self._accept(self._decode(prefix), self._decode(new), final)
+
     def add(self, token_id: int) -> str:
         """Feed one id; return the text that became final (possibly ``""``)."""
         self._ids.append(int(token_id))
         return self._delta(final=False)
+
+    def push(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Feed one id without decoding: the two id windows to decode (with this decoder's
+        ``skip_special_tokens``) and hand to :meth:`accept`; :func:`add_each` does it for many."""
+        self._ids.append(int(token_id))
+        return self._windows()
+
+    def accept(self, prefix_text: str, new_text: str) -> str:
+        """After :meth:`push`: the text that became final, given the decoded windows."""
+        return self._accept(prefix_text, new_text, final=False)
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip
 
     def extend(self, token_ids: Iterable[int]) -> str:
         """Feed several ids; return the concatenated new text."""
@@ -391,3 +419,18 @@ class IncrementalDecoder:
         if self._read_offset == len(self._ids):
             return ""
         return self._delta(final=True)
+
+
+def add_each(decoders: Sequence[IncrementalDecoder], token_ids: Sequence[int]) -> list[str]:
+    """``[d.add(t) for d, t in zip(decoders, token_ids)]`` with one backend call per
+    ``skip_special_tokens`` value (all decoders over one tokenizer): a step's tokens for every request
+    together, decoded outside the GIL."""
+    windows = [d.push(t) for d, t in zip(decoders, token_ids)]
+    texts: list[tuple[str, str]] = [("", "")] * len(decoders)
+    for skip in {d.skip_special_tokens for d in decoders}:
+        which = [i for i, d in enumerate(decoders) if d.skip_special_tokens == skip]
+        flat = decoders[which[0]]._tok.decode_batch(  # noqa: SLF001 - one tokenizer for all
+            [ids for i in which for ids in windows[i]], skip_special_tokens=skip)
+        for k, i in enumerate(which):
+            texts[i] = (flat[2 * k], flat[2 * k + 1])
+    return [d.accept(*t) for d, t in zip(decoders, texts)]
