@@ -1,8 +1,9 @@
 """Async scheduling (scheduler.async_scheduling): step N+1 is sent before step N is read back.
 
-In-process (the local worker runs a step when its result is read) the outputs, page accounting
-and dropped tokens are checked against the synchronous engine; through a Ray worker group the
-steps really overlap (tests/test_cluster.py covers a rank dying with steps in flight).
+In-process (the local worker launches a step when it is sent and reads it when asked; on a CPU the
+launch computes it) the outputs, page accounting and dropped tokens are checked against the
+synchronous engine, on the CPU and with decode graphs on the GPU, where steps really overlap; so
+they do through a Ray worker group (tests/test_cluster.py covers a rank dying with steps in flight).
 """
 
 from __future__ import annotations
@@ -115,3 +116,36 @@ def test_held_pages_are_not_allocatable_until_released():
     assert alloc.num_free == 8 and num_held(alloc) == 0
     alloc.free(alloc.allocate(2))
     assert alloc.num_free == 8  # not holding: frees are allocatable at once
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_async_equals_sync_with_decode_graphs_on_the_gpu(checkpoint_dir):
+    """On the GPU a launch only queues the step: step N+1's in-flight inputs are gathered on the
+    device from step N's sampled tokens while the host reads step N back. Outputs, finish reasons and
+    pages equal the synchronous engine's; the decode steps replayed graphs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = checkpoint_dir("tiny-llama")
+
+    def config(async_scheduling: bool):
+        return load_config(None, [f"model.path={path}", "cache.num_pages=512", "scheduler.max_running_requests=16",
+                                  "graphs.decode.max_batch_size=16", "graphs.capture=decode",
+                                  f"scheduler.async_scheduling={str(async_scheduling).lower()}"])
+
+    prompts, params = _workload()
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    sync = Engine(config(False)).generate(prompts, params)
+    registry = CollectorRegistry()
+    engine = Engine(config(True), registry=registry)
+    free = engine.num_free_pages
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in sync]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in sync]
+    assert engine.num_free_pages == free and not engine.in_flight and num_held(engine.allocator) == 0
+    decode = [s for s in engine.step_stats if s.phase == "decode"]
+    assert decode and all(s.wait_s >= 0 for s in decode)
+    assert 'mode="decode_cuda_graph"' in generate_latest(registry).decode()
