@@ -114,30 +114,47 @@ def in_process_decode(path: Path, overrides: list[str], batch: int, context: int
     return {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step}
 
 
-def start_serve() -> int:
-    """A local Ray (127.0.0.1) and Serve on a free port of 127.0.0.1; returns the port."""
+def _free_port() -> int:
     import socket
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(direct_ingress: bool = False) -> int:
+    """A local Ray (127.0.0.1) and Serve on a free port of 127.0.0.1; returns the port clients use.
+
+    With ``direct_ingress`` the ingress replica serves HTTP itself (Ray Serve's
+    ``RAY_SERVE_ENABLE_DIRECT_INGRESS``: no hop through Serve's proxy, whose process otherwise
+    carries every request body and every streamed chunk) on a port of its own, which is returned.
+    The flags reach the replica through the environment the local Ray starts with.
+    """
     import ray
     from ray import serve
 
+    replica_port = None
+    if direct_ingress:
+        replica_port = _free_port()
+        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+                          RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(replica_port),
+                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(replica_port + 1))
     # Every rank and the replica take one logical CPU: a small machine must still place them.
     ray.init(_node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, 8),
              num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return port
+    return replica_port if replica_port is not None else port
 
 
-def start_app(path: Path, overrides: list[str], model_name: str, fleet_name: str = "bench") -> str:
+def start_app(path: Path, overrides: list[str], model_name: str, fleet_name: str = "bench",
+              direct_ingress: bool = False) -> str:
     """Ray, Serve (:func:`start_serve`) and the app over ``path`` (its fleet named ``fleet_name``); the base URL."""
     from ray import serve
 
     from deploy.serve_app import app_builder
 
-    port = start_serve()
+    port = start_serve(direct_ingress)
     app = app_builder({"model": str(path), "overrides": overrides, "model_name": model_name,
                        "fleet": {"name": fleet_name}})
     serve.run(app, name="graphfleet", route_prefix="/", blocking=False)
@@ -167,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
     ap.add_argument("--start-timeout-s", type=float, default=1800.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="clients talk to the ingress replica's own HTTP server, not through Serve's proxy")
     ap.add_argument("--quick", action="store_true", help="tiny-llama, few short prompts, rates 4,inf, compare on")
     args = ap.parse_args(argv)
     if args.quick:
@@ -187,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         if path is None:
             path = ensure_checkpoint(args.preset, Path(args.checkpoints))
         compare = in_process_decode(path, overrides, args.compare_batch, args.input_len, repeats=20)
-    base = args.url.rstrip("/") if args.url else start_app(path, overrides, args.preset)
+    base = args.url.rstrip("/") if args.url else start_app(path, overrides, args.preset,
+                                                           direct_ingress=args.direct_ingress)
     health = wait_healthy(base, args.start_timeout_s)
     model = json.loads(_get(f"{base}/v1/models", headers)[1])["data"][0]["id"]
     warm = random_prompts(args.warmup, args.input_len, vocab, args.seed + 1)
@@ -219,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                  "e2e_p50_ms", "e2e_p99_ms", "decode_graph_hit_ratio"])
     if compare is not None:
         print_table([compare], ["batch", "context", "tokens_per_s", "serve_tokens_per_s", "serve_over_in_process"])
-    name = "serve-quick" if args.quick else f"serve-{args.mode}"
+    name = "serve-quick" if args.quick else f"serve-{args.mode}" + ("-direct" if args.direct_ingress else "")
     out = write_results(name, {"env": environment(), "args": vars(args), "url": args.url, "overrides": overrides,
                                "fleet": health, "rows": rows, "compare": compare})
     print(f"wrote {out}")

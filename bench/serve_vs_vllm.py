@@ -106,7 +106,8 @@ def graphfleet_rows(path: Path, args: argparse.Namespace, vocab: int) -> tuple[l
     t0 = time.monotonic()
     try:
         cpu = [] if torch.cuda.is_available() else list(CPU_OVERRIDES)
-        base = start_app(path, [*cpu, f"cluster.mode={args.mode}", *args.set], args.preset)
+        base = start_app(path, [*cpu, f"cluster.mode={args.mode}", *args.set], args.preset,
+                         direct_ingress=args.direct_ingress)
         wait_healthy(base, args.start_timeout_s)
         ready_s = time.monotonic() - t0
         return run_rates(base, args, vocab), None, ready_s
@@ -134,6 +135,8 @@ def main() -> None:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
     ap.add_argument("--peers", default="vllm,graphfleet", help="which servers to run, in order")
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="our clients talk to the ingress replica's own HTTP server, not through Serve's proxy")
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     if torch.cuda.is_available():

@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="clients talk to the ingress replica's own HTTP server, not through Serve's proxy")
     args = ap.parse_args()
 
     import ray
@@ -112,15 +114,17 @@ def main() -> None:
     overrides = ([] if torch.cuda.is_available() else list(CPU_OVERRIDES)) + [
         f"scheduler.max_running_requests={max(args.batch, 8)}", *args.set]
     in_process = in_process_decode(path, overrides, args.batch, args.input_len, repeats=20)
-    port = start_serve()
+    port = start_serve(args.direct_ingress)
     rows = []
     try:
         for i, ms in enumerate(float(v) for v in args.intervals.split(",")):
             app = f"sb{i}"
             built = app_builder({"model": str(path), "model_name": args.preset, "fleet": {"name": app},
                                  "overrides": [*overrides, f"serve.stream_batching_interval_ms={ms:g}"]})
-            serve.run(built, name=app, route_prefix=f"/{app}", blocking=False)
-            base = f"http://127.0.0.1:{port}/{app}"
+            # A direct-ingress replica serves its app at its own root (one app at a time here).
+            prefix = "/" if args.direct_ingress else f"/{app}"
+            serve.run(built, name=app, route_prefix=prefix, blocking=False)
+            base = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
             wait_healthy(base, 1800)
             rows.append({"interval_ms": ms, **measure(base, app, args, vocab, in_process["tokens_per_s"])})
             serve.delete(app)
