@@ -33,7 +33,7 @@ class LaunchedStep:
     """A step whose device work a worker has queued (:meth:`worker.worker.Worker.launch`).
 
     out: the sampled tokens on the device (None when no row samples); host: the pinned host copies
-    being made and the event that ends them (None on a CPU, or on a rank that reads nothing back);
+    being made and the events that end them (None on a CPU, or on a rank that reads nothing back);
     logits: a float32 device copy of the step's logits when asked for; key: the step's shape (its
     expected duration is kept per shape); launched / launch_s: when the launch began and how long it took;
     number: the worker's launch count at this launch (the newest launch has the current count).

@@ -344,8 +344,9 @@ class Worker:
         return LaunchedStep(out, host, logits_copy, (msg.is_prefill, len(msg.input_ids)), start,
                             time.perf_counter() - start, self._launches)
 
-    def _copy_to_host(self, out) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
-        """Queue ``out``'s copy into the next pinned host slot and mark its end with the slot's event.
+    def _copy_to_host(self, out) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """Queue ``out``'s copy into the next pinned host slot and mark its end with the slot's two
+        events (one to spin on, one to sleep on: see :meth:`finish`).
 
         Slots are reused round-robin: a slot comes back after ``len(self._slots)`` launches, by which
         time its step has been finished (at most two steps are launched and unread).
@@ -355,23 +356,27 @@ class Worker:
             cap = max(n, 2 * self._slots[0][0].shape[0] if self._slots else 1024)
             self._slots = [(torch.empty(cap, dtype=torch.int64, pin_memory=True),
                             torch.empty(cap, dtype=torch.float32, pin_memory=True),
-                            torch.cuda.Event()) for _ in range(3)]
+                            (torch.cuda.Event(), torch.cuda.Event(blocking=True))) for _ in range(3)]
         tokens, logprobs, done = self._slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self._slots)
         tokens[:n].copy_(out.token_ids, non_blocking=True)
         if out.logprobs is not None:
             logprobs[:n].copy_(out.logprobs, non_blocking=True)
-        done.record()
+        for event in done:
+            event.record()
         return tokens[:n], logprobs[:n] if out.logprobs is not None else None, done
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (and log-probabilities): the step's one synchronisation.
 
-        On a GPU the thread first sleeps for most of what the same shape of step has taken from its
-        launch to its end (a running average), then waits the rest on the copy's event, which spins
-        without the GIL: an engine loop waiting on its step leaves the interpreter to its process, and
-        the step pays no wake-up latency (a blocking CUDA event cost 0.2 ms a step on the H200:
-        bench/results/readback_ab-20261202T1033.json).
+        On a GPU, for the newest launch (nothing queued behind it: the device idles once it is done)
+        the thread first sleeps for most of what the same shape of step has taken from its launch to
+        its end (a running average), then waits the rest on the copy's spinning event, without the
+        GIL: an engine loop waiting on its step leaves the interpreter to its process, and the step
+        pays no wake-up latency (a blocking CUDA event cost 0.2 ms a step on the H200:
+        bench/results/readback_ab-20261202T1033.json). An older launch (async scheduling: the next
+        step is queued behind it, so the device stays busy while the thread wakes) waits on the
+        blocking event and spends no CPU on the wait.
         """
         if step.out is None:
             return StepResult(rank_s=step.launch_s)
@@ -381,16 +386,19 @@ class Worker:
             logprobs = step.out.logprobs.tolist() if step.out.logprobs is not None else None
             wait_s = wait_cpu_s = 0.0
         else:
-            host_tokens, host_logprobs, done = step.host
+            host_tokens, host_logprobs, (spinning, sleeping) = step.host
             # Only the newest launch naps and learns: an older one (async scheduling) was launched
             # before this thread's own work since, so its launch-to-done time counts that work and
             # any nap, and learning from it lengthens every later nap (a loop that only slows down).
             newest = step.number == self._launches
             expected = self._wait_s.get(step.key, 0.0)
             nap = step.launched + expected - _SLEEP_MARGIN_S - begin
-            if newest and nap > 0:
-                time.sleep(nap)
-            done.synchronize()
+            if newest:
+                if nap > 0:
+                    time.sleep(nap)
+                spinning.synchronize()
+            else:
+                sleeping.synchronize()
             end = time.perf_counter()
             if newest:
                 took = end - step.launched
