@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 
@@ -220,6 +222,25 @@ def _join(address: str, **init):
                          "RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
 
 
+def _direct_ingress_on(port: int) -> None:
+    """Have the Ray this process starts run Serve's direct ingress with the API replica on ``port``
+    (Ray Serve reads these when its processes start; they inherit this environment).
+
+    A direct-ingress replica that shuts down keeps answering for a minimum draining period (30 s
+    by default: time for a load balancer in front to notice); here nothing is in front, and our own
+    drain (serve.drain_timeout_s) has already run when Serve shuts the replica down: none.
+    """
+    os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(port),
+                      RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(port + 1),
+                      RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _drain_app(timeout_s: float | None, wait_s: float) -> dict:
     """Drain the app's replica (:meth:`deploy.serve_app.OpenAIIngress.drain`) and wait for it, at most ``wait_s``."""
     from ray import serve
@@ -249,6 +270,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("graphfleet")
     _on_stop_signals(_raise_stop)
     deployed = False
+    direct = config.serve.direct_ingress and address is None
+    if config.serve.direct_ingress and address is not None:
+        log.info("serve.direct_ingress is for a Ray this command starts; the cluster at %s decides it in its "
+                 "own environment (RAY_SERVE_ENABLE_DIRECT_INGRESS)", address)
+    if direct:
+        _direct_ingress_on(port)
     try:
         try:
             context = _init_ray(address, host)
@@ -261,7 +288,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "on CPU)")
             log.info("starting the fleet: load %s, size the KV cache, capture graphs, then serve on %s:%d",
                      config.model.path, host, port)
-            serve.start(http_options={"host": host, "port": port})
+            # With direct ingress the replica takes host:port and Serve's proxy a free loopback port.
+            serve.start(http_options={"host": "127.0.0.1", "port": _free_port()} if direct else
+                        {"host": host, "port": port})
             serve.run(deployment(config).bind(config.to_dict(), {}), name=APP_NAME, route_prefix="/",
                       blocking=False)
             deployed = True

@@ -443,7 +443,8 @@ def _walk(cls, values: dict, schema: dict, path: str = "config"):
 def test_values_config_mirrors_the_dataclasses():
     _walk(Config, VALUES["config"], SCHEMA["properties"]["config"])
     defaults = yaml.safe_load(Path(DEFAULT_CONFIG_PATH).read_text())
-    chart_only = {"model.path": "/models/model", "serve.host": "0.0.0.0"}
+    # The chart's own values: its model mount, every interface, and Serve's proxy (the Service targets it).
+    chart_only = {"model.path": "/models/model", "serve.host": "0.0.0.0", "serve.direct_ingress": False}
     for section, keys in defaults.items():
         for key, value in keys.items():
             expected = chart_only.get(f"{section}.{key}", value)

@@ -65,6 +65,25 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _listener(port: int) -> str:
+    """The command line of the process listening on 127.0.0.1:``port`` (from /proc), or ""."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN on the port
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return ""
+
+
 class Serve:
     """A ``graphfleet serve`` subprocess on a free loopback port, its output in ``log``."""
 
@@ -211,6 +230,8 @@ def test_disaggregated_serve_on_its_own_ray_is_ready_then_drains_8_streams_on_si
     health = http("GET", f"{s.base}/health")[1]
     assert health["status"] == "ready" and len(health["groups"]) == 2 and health["waiting"] == {}, health
     assert re.search(r"started a local Ray \(GCS [0-9.]+:\d+\)", s.output())
+    # serve.direct_ingress (default): the API replica itself listens on the port, not Serve's proxy.
+    assert "ServeReplica" in _listener(s.port), _listener(s.port)
 
     streams = [Stream(s.port, {"prompt": f"Stream {i} sails at dawn", "max_tokens": 160, "ignore_eos": True}).start()
                for i in range(8)]
