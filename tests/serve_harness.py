@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -16,18 +17,36 @@ OVERRIDES = ["model.device=cpu", "graphs.debug=true", "cache.num_pages=128", "sc
              "graphs.decode.max_batch_size=8", "cluster.step_timeout_s=60", "cluster.start_timeout_s=120"]
 
 
-def start_local_serve(args: dict, app_name: str, num_cpus: int = 16) -> str:
+#: The environment of Ray Serve's direct ingress on one port (what ``graphfleet serve`` sets up:
+#: ``deploy.cli._direct_ingress_on``).
+DIRECT_INGRESS_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
+
+
+def start_local_serve(args: dict, app_name: str, num_cpus: int = 16, direct_ingress: bool = False) -> str:
     """Start a local Ray (127.0.0.1) and Serve on a free port, run the app of ``app_builder(args)`` at "/",
-    wait until it is healthy; its base URL. The caller ends it with ``serve.shutdown(); ray.shutdown()``."""
+    wait until it is healthy; its base URL. The caller ends it with ``serve.shutdown(); ray.shutdown()``.
+
+    With ``direct_ingress`` the app's replica serves HTTP itself, as under ``graphfleet serve``, and
+    the URL is the replica's; the Ray started here keeps that environment, and this process drops it
+    again once Ray is up (the next module's Ray starts without it).
+    """
     import ray
     from ray import serve
 
+    from deploy.cli import _direct_ingress_on
     from deploy.serve_app import app_builder
 
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if direct_ingress:
+        _direct_ingress_on(port)
+    try:
+        ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 ignore_reinit_error=True)
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port() if direct_ingress else port})
+    finally:
+        for name in DIRECT_INGRESS_ENV if direct_ingress else ():
+            os.environ.pop(name, None)
     serve.run(app_builder(args), name=app_name, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base)
