@@ -12,7 +12,7 @@ through Serve's proxy 147-423 ms, of which about 220 ms carried the body from th
 replica), ``/health`` at most 16-25 ms (asserted under the issue's 100 ms; through the proxy 65-183
 ms), and stream gaps in the hostile window at most 12-15x their median for the worst stream but
 1.4-2.0x for the median one (the goal is 2x; printed, not asserted: one or two of the 16 streams
-still stall 190-240 ms while the 15 MiB list is parsed, on a machine whose two cores also run the
+still stall 190-240 ms while the two bodies are refused, on a machine whose two cores also run the
 rank, the replica and this test). Before the engine moved out of the replica: 0.58-0.95 s,
 0.14-0.24 s, and single streams stalling 1-3 s. The old path (a 64 MiB body tokenized on the
 replica's event loop) went 120 s without an answer and had the replica restarted.
