@@ -143,6 +143,8 @@ def start_serve(direct_ingress: bool = False) -> int:
     ray.init(_node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, 8),
              num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
     port = _free_port()
+    while port == replica_port:  # the replica's port is free until it binds it: the OS may offer it
+        port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return replica_port if replica_port is not None else port
 

@@ -40,11 +40,18 @@ class RankActor:
         self.worker = None
         self.channel: StepChannel | None = None
         self.executor: LeaderExecutor | None = None
+        self._store = None  # rank 0: the group's TCPStore (see rendezvous_address)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
     def rendezvous_address(self) -> str:
-        """``tcp://127.0.0.1:<free port>`` on this rank's host (called on rank 0)."""
-        return f"tcp://127.0.0.1:{free_port()}"
+        """``tcp://127.0.0.1:<port>`` of the group's store, which this rank (rank 0) opens now on a port
+        the OS gives it and keeps listening on: a port picked free and bound later could be taken in
+        between (another process's free port, or the API's port under direct ingress, which its
+        replica binds only once it has started)."""
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore("127.0.0.1", 0, self.info.world_size, is_master=True, wait_for_workers=False)
+        return f"tcp://127.0.0.1:{self._store.port}"
 
     def init_distributed(self, init_method: str, backend: str, timeout_s: float) -> str:
         """Join the group's process group; every rank must be called concurrently."""
@@ -53,8 +60,15 @@ class RankActor:
 
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-        dist.init_process_group(backend, init_method=init_method, rank=self.info.rank,
-                                world_size=self.info.world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if self._store is not None:  # rank 0 hosts the store it opened in rendezvous_address
+            self._store.set_timeout(timeout)
+            # The prefix init_process_group puts on a store it makes from init_method (the other ranks').
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", self._store), rank=self.info.rank,
+                                    world_size=self.info.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=self.info.rank,
+                                    world_size=self.info.world_size, timeout=timeout)
         warm = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
         dist.all_reduce(warm)  # communicator warm-up before any capture
         if self.info.world_size > 1:

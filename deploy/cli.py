@@ -235,10 +235,13 @@ def _direct_ingress_on(port: int) -> None:
                       RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(besides: int) -> int:
+    """A free loopback port other than ``besides`` (the API's, not yet bound: the OS may offer it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if (found := s.getsockname()[1]) != besides:
+                return found
 
 
 def _drain_app(timeout_s: float | None, wait_s: float) -> dict:
@@ -289,7 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.info("starting the fleet: load %s, size the KV cache, capture graphs, then serve on %s:%d",
                      config.model.path, host, port)
             # With direct ingress the replica takes host:port and Serve's proxy a free loopback port.
-            serve.start(http_options={"host": "127.0.0.1", "port": _free_port()} if direct else
+            serve.start(http_options={"host": "127.0.0.1", "port": _free_port(besides=port)} if direct else
                         {"host": host, "port": port})
             serve.run(deployment(config).bind(config.to_dict(), {}), name=APP_NAME, route_prefix="/",
                       blocking=False)

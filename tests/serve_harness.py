@@ -43,7 +43,7 @@ def start_local_serve(args: dict, app_name: str, num_cpus: int = 16, direct_ingr
     try:
         ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port() if direct_ingress else port})
+        serve.start(http_options={"host": "127.0.0.1", "port": _proxy_port(port) if direct_ingress else port})
     finally:
         for name in DIRECT_INGRESS_ENV if direct_ingress else ():
             os.environ.pop(name, None)
@@ -51,6 +51,12 @@ def start_local_serve(args: dict, app_name: str, num_cpus: int = 16, direct_ingr
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base)
     return base
+
+
+def _proxy_port(api_port: int) -> int:
+    while (found := free_port()) == api_port:  # the API's port is free until its replica binds it
+        pass
+    return found
 
 
 def free_port() -> int:
