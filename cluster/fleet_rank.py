@@ -47,6 +47,7 @@ class FleetRankActor(RankActor):
         self._staged: dict[str, object] = {}
         self._staged_cond = threading.Condition()
         self._pairs: dict[str, tuple] = {}  # pair id -> (process group, store, peer rank)
+        self._pair_stores: dict[int, object] = {}  # port -> a pair's store opened by pair_address, not yet joined
         self.host: EngineHost | None = None
 
     # ----- the group's engine (leader) -----
@@ -179,13 +180,16 @@ class FleetRankActor(RankActor):
     # ----- point-to-point pairs (kv_transport=nccl) -----
 
     def pair_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for a pair's store (this rank hosts it)."""
+        """This node's address and the port of a pair's store, which this rank hosts: opened now on a
+        port the OS gives it and kept listening until :meth:`p2p_open` takes it (a port picked free
+        and bound later could be taken in between)."""
         import ray
-
-        from cluster.rank_actor import free_port
+        import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        store = dist.TCPStore(host, 0, 2, is_master=True, wait_for_workers=False)
+        self._pair_stores[store.port] = store
+        return host, store.port
 
     @ray.method(concurrency_group="kv_p2p")
     def p2p_open(self, pair_id: str, host: str, port: int, rank: int, timeout_s: float) -> str:
@@ -198,8 +202,12 @@ class FleetRankActor(RankActor):
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
-        store = dist.PrefixStore(pair_id, dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=timeout,
-                                                        wait_for_workers=False))
+        if rank == 0:  # the store pair_address opened
+            base = self._pair_stores.pop(port)
+            base.set_timeout(timeout)
+        else:
+            base = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(pair_id, base)
         if self.worker.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

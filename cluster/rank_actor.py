@@ -10,7 +10,6 @@ thread of its own that carries out the leader's orders until the generation ends
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import ray
@@ -19,12 +18,6 @@ from cluster.config import GroupConfig
 from cluster.rank import RankInfo
 from cluster.step_channel import LeaderExecutor, StepChannel, follow
 from worker.step_message import StepMessage, StepResult
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RankActor:
