@@ -133,18 +133,15 @@ def start_serve(direct_ingress: bool = False) -> int:
     import ray
     from ray import serve
 
-    replica_port = None
-    if direct_ingress:
-        replica_port = _free_port()
-        os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
-                          RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(replica_port),
-                          RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(replica_port + 1))
+    from deploy.ray_cluster import direct_ingress_env, proxy_port
+
+    replica_port = _free_port() if direct_ingress else None
+    if replica_port is not None:
+        os.environ.update(direct_ingress_env(replica_port))
     # Every rank and the replica take one logical CPU: a small machine must still place them.
     ray.init(_node_ip_address="127.0.0.1", num_cpus=max(os.cpu_count() or 1, 8),
              num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    while port == replica_port:  # the replica's port is free until it binds it: the OS may offer it
-        port = _free_port()
+    port = proxy_port(replica_port) if replica_port is not None else _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return replica_port if replica_port is not None else port
 

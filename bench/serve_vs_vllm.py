@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,18 +30,12 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve import CPU_OVERRIDES, _get, start_app, wait_healthy  # noqa: E402
+from bench.serve import CPU_OVERRIDES, _free_port, _get, start_app, wait_healthy  # noqa: E402
 from bench.serve_load import random_prompts, run_load, summarize  # noqa: E402
 
 COLUMNS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
            "completed", "failed")
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rates(base: str, args: argparse.Namespace, vocab: int) -> list[dict]:

@@ -11,9 +11,17 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
+
+from deploy.ray_cluster import (
+    check_reachable,
+    direct_ingress_env,
+    init_ray,
+    join,
+    proxy_port,
+    ray_address,
+)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -140,8 +148,6 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise SystemExit(f"graphfleet serve: not healthy after {timeout_s:g}s: {body}")
 
 
-#: Seconds a TCP connect to a given Ray address may take before ``serve`` gives up on it.
-RAY_CONNECT_TIMEOUT_S = 5.0
 #: The Serve application name of ``graphfleet serve`` (and of the Helm chart's serveConfigV2).
 APP_NAME = "graphfleet"
 
@@ -160,90 +166,6 @@ def _on_stop_signals(handler) -> None:
         signal.signal(sig, handler)
 
 
-def _ray_address(given: str | None) -> str | None:
-    """The Ray cluster to join: ``given`` (``--ray-address``), else ``RAY_ADDRESS``, else None (start our own)."""
-    import os
-
-    return given or os.environ.get("RAY_ADDRESS") or None
-
-
-def _gcs_host_port(address: str) -> tuple[str, int]:
-    """The GCS (host, port) of a Ray address (``host:port``, ``ray://host:port``, ``auto``); SystemExit if
-    it names none."""
-    target = address
-    if address == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
-
-        target = canonicalize_bootstrap_address("auto")
-        if target is None:
-            raise SystemExit("graphfleet: --ray-address auto: no running Ray cluster is recorded on this machine; "
-                             "give its address, or none to start a local Ray")
-    host, sep, port = target.split("://", 1)[-1].rstrip("/").rpartition(":")
-    if not sep or not port.isdigit():
-        raise SystemExit(f"graphfleet: Ray address {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379)")
-    return host.strip("[]"), int(port)
-
-
-def _check_reachable(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
-    """SystemExit naming ``address`` unless its GCS accepts a TCP connection within ``timeout_s``
-    (``ray.init`` would otherwise retry for minutes)."""
-    import socket
-
-    host, port = _gcs_host_port(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as e:
-        raise SystemExit(f"graphfleet: cannot reach the Ray cluster at {address} (GCS {host}:{port}: "
-                         f"{e.strerror or e}); start it (ray start --head), fix --ray-address/RAY_ADDRESS, or "
-                         "give neither to start a local Ray") from None
-
-
-def _init_ray(address: str | None, host: str):
-    """Join the Ray cluster at ``address`` (checked with :func:`_check_reachable` first), or start our own
-    (``address`` None): never the last cluster started on this machine, which a bare ``ray.init()`` joins."""
-    import ray
-
-    if address is not None:
-        return _join(address)
-    return ray.init(address="local", _node_ip_address="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
-                    include_dashboard=False)
-
-
-def _join(address: str, **init):
-    """``ray.init`` on the cluster at ``address``; SystemExit naming it (and the likely cause) if that fails."""
-    import ray
-
-    try:
-        return ray.init(address=address, include_dashboard=False, **init)
-    except ConnectionError as e:
-        raise SystemExit(f"graphfleet: cannot join the Ray cluster at {address}: {e} (its GCS answers TCP; a "
-                         "cluster with token authentication also needs RAY_AUTH_MODE=token and its token, "
-                         "RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
-
-
-def _direct_ingress_on(port: int) -> None:
-    """Have the Ray this process starts run Serve's direct ingress with the API replica on ``port``
-    (Ray Serve reads these when its processes start; they inherit this environment).
-
-    A direct-ingress replica that shuts down keeps answering for a minimum draining period (30 s
-    by default: time for a load balancer in front to notice); here nothing is in front, and our own
-    drain (serve.drain_timeout_s) has already run when Serve shuts the replica down: none.
-    """
-    os.environ.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(port),
-                      RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(port + 1),
-                      RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")
-
-
-def _free_port(besides: int) -> int:
-    """A free loopback port other than ``besides`` (the API's, not yet bound: the OS may offer it)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            if (found := s.getsockname()[1]) != besides:
-                return found
-
-
 def _drain_app(timeout_s: float | None, wait_s: float) -> dict:
     """Drain the app's replica (:meth:`deploy.serve_app.OpenAIIngress.drain`) and wait for it, at most ``wait_s``."""
     from ray import serve
@@ -257,9 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     API; serve until SIGTERM or Ctrl-C, then drain (:meth:`deploy.serve_app.OpenAIIngress.drain`: new
     requests 503, in-flight ones get ``serve.drain_timeout_s``, the rest aborted, every rank released),
     shut Serve and Ray down and return 0. A second signal stops without waiting for the drain."""
-    address = _ray_address(args.ray_address)
+    address = ray_address(args.ray_address)
     if address is not None:
-        _check_reachable(address)  # first: in seconds, before the slow imports below
+        check_reachable(address)  # first: in seconds, before the slow imports below
     import ray
     from ray import serve
 
@@ -278,10 +200,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("serve.direct_ingress is for a Ray this command starts; the cluster at %s decides it in its "
                  "own environment (RAY_SERVE_ENABLE_DIRECT_INGRESS)", address)
     if direct:
-        _direct_ingress_on(port)
+        os.environ.update(direct_ingress_env(port))
     try:
         try:
-            context = _init_ray(address, host)
+            context = init_ray(address, host)
             _on_stop_signals(_raise_stop)  # ray.init installs its own SIGTERM handler (sys.exit)
             log.info("%s Ray (GCS %s)", "joined the" if address else "started a local",
                      context.address_info.get("gcs_address"))
@@ -292,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.info("starting the fleet: load %s, size the KV cache, capture graphs, then serve on %s:%d",
                      config.model.path, host, port)
             # With direct ingress the replica takes host:port and Serve's proxy a free loopback port.
-            serve.start(http_options={"host": "127.0.0.1", "port": _free_port(besides=port)} if direct else
+            serve.start(http_options={"host": "127.0.0.1", "port": proxy_port(port)} if direct else
                         {"host": host, "port": port})
             serve.run(deployment(config).bind(config.to_dict(), {}), name=APP_NAME, route_prefix="/",
                       blocking=False)
@@ -334,9 +256,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
     :meth:`deploy.serve_app.OpenAIIngress.drain` through a deployment handle, print what it did."""
     import ray
 
-    address = _ray_address(args.ray_address) or "auto"
-    _check_reachable(address)
-    _join(address, log_to_driver=False)
+    address = ray_address(args.ray_address) or "auto"
+    check_reachable(address)
+    join(address, log_to_driver=False)
     try:
         print(json.dumps(_drain_app(args.timeout, args.wait_s)), flush=True)
     finally:

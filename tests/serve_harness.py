@@ -17,12 +17,6 @@ OVERRIDES = ["model.device=cpu", "graphs.debug=true", "cache.num_pages=128", "sc
              "graphs.decode.max_batch_size=8", "cluster.step_timeout_s=60", "cluster.start_timeout_s=120"]
 
 
-#: The environment of Ray Serve's direct ingress on one port (what ``graphfleet serve`` sets up:
-#: ``deploy.cli._direct_ingress_on``).
-DIRECT_INGRESS_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
-
-
 def start_local_serve(args: dict, app_name: str, num_cpus: int = 16, direct_ingress: bool = False) -> str:
     """Start a local Ray (127.0.0.1) and Serve on a free port, run the app of ``app_builder(args)`` at "/",
     wait until it is healthy; its base URL. The caller ends it with ``serve.shutdown(); ray.shutdown()``.
@@ -34,29 +28,23 @@ def start_local_serve(args: dict, app_name: str, num_cpus: int = 16, direct_ingr
     import ray
     from ray import serve
 
-    from deploy.cli import _direct_ingress_on
+    from deploy.ray_cluster import direct_ingress_env, proxy_port
     from deploy.serve_app import app_builder
 
     port = free_port()
-    if direct_ingress:
-        _direct_ingress_on(port)
+    env = direct_ingress_env(port) if direct_ingress else {}
+    os.environ.update(env)
     try:
         ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                  ignore_reinit_error=True)
-        serve.start(http_options={"host": "127.0.0.1", "port": _proxy_port(port) if direct_ingress else port})
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port(port) if direct_ingress else port})
     finally:
-        for name in DIRECT_INGRESS_ENV if direct_ingress else ():
+        for name in env:
             os.environ.pop(name, None)
     serve.run(app_builder(args), name=app_name, route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base)
     return base
-
-
-def _proxy_port(api_port: int) -> int:
-    while (found := free_port()) == api_port:  # the API's port is free until its replica binds it
-        pass
-    return found
 
 
 def free_port() -> int:

@@ -9,7 +9,8 @@ import pytest
 
 from worker.checkpoint import PRESETS, write_tokenizer
 from worker.checkpoint.writer import generation_config_dict
-from worker.tokenizer import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, IncrementalDecoder, Tokenizer
+from worker.detokenizer import IncrementalDecoder
+from worker.tokenizer import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -253,7 +254,7 @@ def test_a_step_decoded_together_equals_each_request_decoded_alone(tok_dirs, nam
     """add_each (one backend call for a step's tokens of every request) gives every decoder the deltas
     and state that add() token by token gives it: split characters, special tokens skipped or kept,
     prompt context, and requests of different lengths in one step."""
-    from worker.tokenizer import add_each
+    from worker.detokenizer import add_each
 
     tok = Tokenizer.from_dir(tok_dirs[name])
     eos = tok.eos_token_ids[0]

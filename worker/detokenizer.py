@@ -1,4 +1,5 @@
-"""Output text of one request: incremental decoding and stop strings.
+"""Output text of requests: incremental decoding (one request's, or a step's for every request in
+one batch) and stop strings.
 
 Stop strings are matched on the decoded text; the matched string and everything after it are
 dropped (as vLLM does). While stop strings are set, the last ``max(len(stop)) - 1`` characters
@@ -8,7 +9,18 @@ stream always equals the final text.
 
 from __future__ import annotations
 
-from worker.tokenizer import IncrementalDecoder, add_each
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextDecoder(Protocol):
+    """What a streaming decoder needs of its tokenizer (:class:`worker.tokenizer.Tokenizer` is one)."""
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_batch(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]: ...
 
 
 class OutputText:
@@ -45,13 +57,111 @@ class OutputText:
         return delta
 
 
+class IncrementalDecoder:
+    """Streaming detokenizer: feed generated ids one at a time, get the new text each time.
+
+    Text is emitted only once it is stable: while the decoded tail ends with U+FFFD (an
+    incomplete UTF-8 sequence split across tokens) it is held back.  The concatenation of all
+    :meth:`add` results plus :meth:`flush` equals ``tokenizer.decode(generated_ids)`` for
+    byte-level tokenizers.  ``prefix_ids`` (e.g. the prompt's last tokens) give context for
+    tokenizers whose decoding depends on the preceding token (SentencePiece leading spaces);
+    they are never emitted.
+    """
+
+    _PREFIX_CONTEXT = 6
+
+    def __init__(self, tokenizer: TextDecoder, skip_special_tokens: bool = True,
+                 prefix_ids: Sequence[int] = ()) -> None:
+        """Start a stream over ``tokenizer``."""
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = [int(i) for i in prefix_ids[-self._PREFIX_CONTEXT :]] if prefix_ids else []
+        self._n_prefix = len(self._ids)
+        # Invariant: _ids[_prefix_offset:_read_offset] decodes to text already emitted (or context).
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._chunks: list[str] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated ids fed so far (excluding ``prefix_ids``)."""
+        return self._ids[self._n_prefix :]
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _windows(self) -> tuple[list[int], list[int]]:
+        """The ids whose texts :meth:`accept` compares: the emitted context, and it with the new ids."""
+        return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
+
+    def accept(self, prefix_text: str, new_text: str, final: bool = False) -> str:
+        """After :meth:`push`: the text that became final, given the decoded windows."""
+        if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._chunks.append(delta)
+        return delta
+
+    def _delta(self, final: bool) -> str:
+        prefix, new = self._windows()
+        return self.accept(self._decode(prefix), self._decode(new), final)
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the text that became final (possibly ``""``)."""
+        self._ids.append(int(token_id))
+        return self._delta(final=False)
+
+    def push(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Feed one id without decoding: the two id windows to decode (with this decoder's
+        ``skip_special_tokens``) and hand to :meth:`accept`; :func:`add_each` does it for many."""
+        self._ids.append(int(token_id))
+        return self._windows()
+
+    @property
+    def tokenizer(self) -> TextDecoder:
+        return self._tok
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        """Feed several ids; return the concatenated new text."""
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """End of stream: return any held-back text (an incomplete character decodes as U+FFFD)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        return self._delta(final=True)
+
+
+def add_each(decoders: Sequence[IncrementalDecoder], token_ids: Sequence[int]) -> list[str]:
+    """``[d.add(t) for d, t in zip(decoders, token_ids)]`` with one backend call per
+    ``skip_special_tokens`` value (all decoders over one tokenizer): a step's tokens for every request
+    together, decoded outside the GIL."""
+    windows = [d.push(t) for d, t in zip(decoders, token_ids)]
+    texts: list[tuple[str, str]] = [("", "")] * len(decoders)
+    for skip in {d.skip_special_tokens for d in decoders}:
+        which = [i for i, d in enumerate(decoders) if d.skip_special_tokens == skip]
+        flat = decoders[which[0]].tokenizer.decode_batch(  # one tokenizer for all
+            [ids for i in which for ids in windows[i]], skip_special_tokens=skip)
+        for k, i in enumerate(which):
+            texts[i] = (flat[2 * k], flat[2 * k + 1])
+    return [d.accept(*t) for d, t in zip(decoders, texts)]
+
+
 def append_each(texts: list[OutputText], token_ids: list[int]) -> list[tuple[str, bool]]:
     """``[t.append(tok) for t, tok in zip(texts, token_ids)]``, detokenizing all the tokens in one
-    batch (:func:`worker.tokenizer.add_each`) where the texts have a tokenizer's decoder."""
-    batched = [i for i, t in enumerate(texts) if isinstance(t.decoder, IncrementalDecoder)]
-    pieces = [""] * len(texts)
-    if batched:
-        for i, piece in zip(batched, add_each([texts[i].decoder for i in batched], [token_ids[i] for i in batched])):
-            pieces[i] = piece
-    done = set(batched)
-    return [t.take(pieces[i]) if i in done else t.append(tok) for i, (t, tok) in enumerate(zip(texts, token_ids))]
+    batch (:func:`add_each`) when the texts have a tokenizer's decoders (an engine's all have, or none)."""
+    decoders = [t.decoder for t in texts]
+    if not all(isinstance(d, IncrementalDecoder) for d in decoders):
+        return [t.append(tok) for t, tok in zip(texts, token_ids)]
+    return [t.take(piece) for t, piece in zip(texts, add_each(decoders, token_ids))]

@@ -32,18 +32,15 @@ class PendingStep(Protocol):
 class LaunchedStep:
     """A step whose device work a worker has queued (:meth:`worker.worker.Worker.launch`).
 
-    out: the sampled tokens on the device (None when no row samples); host: the pinned host copies
-    being made and the events that end them (None on a CPU, or on a rank that reads nothing back);
-    logits: a float32 device copy of the step's logits when asked for; key: the step's shape (its
-    expected duration is kept per shape); launched / launch_s: when the launch began and how long it took;
-    number: the worker's launch count at this launch (the newest launch has the current count).
+    out: the sampled tokens on the device (None when no row samples); host: their copy to the host
+    (a :class:`worker.readback.HostCopy`; None on a CPU, or on a rank that reads nothing back);
+    logits: a float32 device copy of the step's logits when asked for; launch_s: how long the launch
+    took; number: the worker's launch count at this launch (the newest launch has the current count).
     """
 
     out: Any
-    host: tuple | None
+    host: Any
     logits: Any
-    key: tuple
-    launched: float
     launch_s: float
     number: int
 

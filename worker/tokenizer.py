@@ -1,5 +1,5 @@
-"""Tokenizer for HF-format checkpoints: encode/decode via ``tokenizer.json``, chat templates,
-and streaming (incremental) detokenization."""
+"""Tokenizer for HF-format checkpoints: encode/decode via ``tokenizer.json`` and chat templates
+(streaming detokenization: :mod:`worker.detokenizer`)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from worker.detokenizer import IncrementalDecoder
 from worker.tokenizer_bounds import max_bytes_per_token
 
-__all__ = ["ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "IncrementalDecoder", "Tokenizer", "load_tokenizer"]
+__all__ = ["ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer"]
 
 DEFAULT_CHAT_TEMPLATE = """{%- for message in messages %}
     {{- message['role'] + ': ' + message['content'] + '\\n' }}
@@ -30,9 +31,6 @@ DEFAULT_CHAT_TEMPLATE = """{%- for message in messages %}
 """Used when a checkpoint has no chat template: one ``"role: content\\n"`` line per message,
 then ``"assistant: "`` when a generation prompt is requested.  No special tokens are inserted
 (``encode(..., add_special_tokens=True)`` still adds BOS where the family does)."""
-
-_REPLACEMENT_CHAR = "\ufffd"
-
 
 class ChatTemplateError(ValueError):
     """The chat template rejected the conversation (``raise_exception``) or failed to render."""
@@ -334,103 +332,3 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     are token ids and its outputs have no text)."""
     root = Path(model_dir)
     return Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
-
-
-class IncrementalDecoder:
-    """Streaming detokenizer: feed generated ids one at a time, get the new text each time.
-
-    Text is emitted only once it is stable: while the decoded tail ends with U+FFFD (an
-    incomplete UTF-8 sequence split across tokens) it is held back.  The concatenation of all
-    :meth:`add` results plus :meth:`flush` equals ``tokenizer.decode(generated_ids)`` for
-    byte-level tokenizers.  ``prefix_ids`` (e.g. the prompt's last tokens) give context for
-    tokenizers whose decoding depends on the preceding token (SentencePiece leading spaces);
-    they are never emitted.
-    """
-
-    _PREFIX_CONTEXT = 6
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prefix_ids: Sequence[int] = ()) -> None:
-        """Start a stream over ``tokenizer``."""
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = [int(i) for i in prefix_ids[-self._PREFIX_CONTEXT :]] if prefix_ids else []
-        self._n_prefix = len(self._ids)
-        # Invariant: _ids[_prefix_offset:_read_offset] decodes to text already emitted (or context).
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._chunks: list[str] = []
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Generated ids fed so far (excluding ``prefix_ids``)."""
-        return self._ids[self._n_prefix :]
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._chunks)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
-
-    def _windows(self) -> tuple[list[int], list[int]]:
-        """The ids whose texts :meth:`_accept` compares: the emitted context, and it with the new ids."""
-        return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
-
-    def _accept(self, prefix_text: str, new_text: str, final: bool) -> str:
-        """The text that became final, given the decoded :meth:`_windows`."""
-        if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT_CHAR)):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._chunks.append(delta)
-        return delta
-
-    def _delta(self, final: bool) -> str:
-        prefix, new = self._windows()
-        return self._accept(self._decode(prefix), self._decode(new), final)
-
-    def add(self, token_id: int) -> str:
-        """Feed one id; return the text that became final (possibly ``""``)."""
-        self._ids.append(int(token_id))
-        return self._delta(final=False)
-
-    def push(self, token_id: int) -> tuple[list[int], list[int]]:
-        """Feed one id without decoding: the two id windows to decode (with this decoder's
-        ``skip_special_tokens``) and hand to :meth:`accept`; :func:`add_each` does it for many."""
-        self._ids.append(int(token_id))
-        return self._windows()
-
-    def accept(self, prefix_text: str, new_text: str) -> str:
-        """After :meth:`push`: the text that became final, given the decoded windows."""
-        return self._accept(prefix_text, new_text, final=False)
-
-    @property
-    def skip_special_tokens(self) -> bool:
-        return self._skip
-
-    def extend(self, token_ids: Iterable[int]) -> str:
-        """Feed several ids; return the concatenated new text."""
-        return "".join(self.add(t) for t in token_ids)
-
-    def flush(self) -> str:
-        """End of stream: return any held-back text (an incomplete character decodes as U+FFFD)."""
-        if self._read_offset == len(self._ids):
-            return ""
-        return self._delta(final=True)
-
-
-def add_each(decoders: Sequence[IncrementalDecoder], token_ids: Sequence[int]) -> list[str]:
-    """``[d.add(t) for d, t in zip(decoders, token_ids)]`` with one backend call per
-    ``skip_special_tokens`` value (all decoders over one tokenizer): a step's tokens for every request
-    together, decoded outside the GIL."""
-    windows = [d.push(t) for d, t in zip(decoders, token_ids)]
-    texts: list[tuple[str, str]] = [("", "")] * len(decoders)
-    for skip in {d.skip_special_tokens for d in decoders}:
-        which = [i for i, d in enumerate(decoders) if d.skip_special_tokens == skip]
-        flat = decoders[which[0]]._tok.decode_batch(  # noqa: SLF001 - one tokenizer for all
-            [ids for i in which for ids in windows[i]], skip_special_tokens=skip)
-        for k, i in enumerate(which):
-            texts[i] = (flat[2 * k], flat[2 * k + 1])
-    return [d.accept(*t) for d, t in zip(decoders, texts)]

@@ -35,13 +35,10 @@ from worker.model.loader import load_model, resolve_dtype
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
 from worker.model_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
+from worker.readback import TokenReadback
 from worker.step_message import StepMessage, StepResult
 
 log = logging.getLogger(__name__)
-
-
-#: How much earlier than a step is expected to finish its read-back stops sleeping and starts spinning.
-_SLEEP_MARGIN_S = 0.0002
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,11 +93,8 @@ class Worker:
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
         self._last_sampled: torch.Tensor | None = None  # device tokens of the last step (async scheduling's inputs)
-        self._last_count = 0  # how many it sampled
-        self._slots: list[tuple] = []  # pinned host slots for sampled tokens (see _copy_to_host)
-        self._next_slot = 0
+        self._readback = TokenReadback()  # a GPU step's tokens to the host
         self._launches = 0  # steps launched so far (a LaunchedStep's number)
-        self._wait_s: dict[tuple, float] = {}  # per step shape: launch-to-done seconds, running average (GPU)
         self._tc_step: CompiledPrefillStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
 
@@ -329,83 +323,33 @@ class Worker:
         """
         start = time.perf_counter()
         self._launches += 1
+        sampled = self._last_sampled.shape[0] if self._last_sampled is not None else 0
         for pos, row in msg.from_previous:
-            if row >= self._last_count:
+            if row >= sampled:
                 raise ValueError(f"step input {pos} wants row {row} of the previous step's tokens, which "
-                                 f"sampled {self._last_count}")
+                                 f"sampled {sampled}")
         out, logits = self.runner.execute(msg, self._last_sampled if msg.from_previous else None)
         if out is None:
-            self._last_sampled, self._last_count = None, 0
-            return LaunchedStep(None, None, None, (msg.is_prefill, len(msg.input_ids)), start,
-                                time.perf_counter() - start, self._launches)
-        self._last_sampled, self._last_count = out.token_ids, out.token_ids.shape[0]
+            self._last_sampled = None
+            return LaunchedStep(None, None, None, time.perf_counter() - start, self._launches)
+        self._last_sampled = out.token_ids
         logits_copy = logits.to(torch.float32, copy=True) if msg.return_logits else None
-        host = self._copy_to_host(out) if read_back and self.device.type == "cuda" else None
-        return LaunchedStep(out, host, logits_copy, (msg.is_prefill, len(msg.input_ids)), start,
-                            time.perf_counter() - start, self._launches)
-
-    def _copy_to_host(self, out) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.cuda.Event, torch.cuda.Event]]:
-        """Queue ``out``'s copy into the next pinned host slot and mark its end with the slot's two
-        events (one to spin on, one to sleep on: see :meth:`finish`).
-
-        Slots are reused round-robin: a slot comes back after ``len(self._slots)`` launches, by which
-        time its step has been finished (at most two steps are launched and unread).
-        """
-        n = out.token_ids.shape[0]
-        if not self._slots or self._slots[0][0].shape[0] < n:
-            cap = max(n, 2 * self._slots[0][0].shape[0] if self._slots else 1024)
-            self._slots = [(torch.empty(cap, dtype=torch.int64, pin_memory=True),
-                            torch.empty(cap, dtype=torch.float32, pin_memory=True),
-                            (torch.cuda.Event(), torch.cuda.Event(blocking=True))) for _ in range(3)]
-        tokens, logprobs, done = self._slots[self._next_slot]
-        self._next_slot = (self._next_slot + 1) % len(self._slots)
-        tokens[:n].copy_(out.token_ids, non_blocking=True)
-        if out.logprobs is not None:
-            logprobs[:n].copy_(out.logprobs, non_blocking=True)
-        for event in done:
-            event.record()
-        return tokens[:n], logprobs[:n] if out.logprobs is not None else None, done
+        host = self._readback.copy(out, (msg.is_prefill, len(msg.input_ids)), start) \
+            if read_back and self.device.type == "cuda" else None
+        return LaunchedStep(out, host, logits_copy, time.perf_counter() - start, self._launches)
 
     def finish(self, step: LaunchedStep) -> StepResult:
-        """Wait for a launched step's tokens (and log-probabilities): the step's one synchronisation.
-
-        On a GPU, for the newest launch (nothing queued behind it: the device idles once it is done)
-        the thread first sleeps for most of what the same shape of step has taken from its launch to
-        its end (a running average), then waits the rest on the copy's spinning event, without the
-        GIL: an engine loop waiting on its step leaves the interpreter to its process, and the step
-        pays no wake-up latency (a blocking CUDA event cost 0.2 ms a step on the H200:
-        bench/results/readback_ab-20261202T1033.json). An older launch (async scheduling: the next
-        step is queued behind it, so the device stays busy while the thread wakes) waits on the
-        blocking event and spends no CPU on the wait.
-        """
+        """Wait for a launched step's tokens (and log-probabilities): the step's one synchronisation
+        (on a GPU: :meth:`worker.readback.TokenReadback.wait`; the newest launch naps, then spins)."""
         if step.out is None:
             return StepResult(rank_s=step.launch_s)
-        begin, cpu = time.perf_counter(), time.thread_time()
+        begin = time.perf_counter()
         if step.host is None:  # CPU: the step has run already
             tokens = step.out.token_ids.tolist()
             logprobs = step.out.logprobs.tolist() if step.out.logprobs is not None else None
             wait_s = wait_cpu_s = 0.0
         else:
-            host_tokens, host_logprobs, (spinning, sleeping) = step.host
-            # Only the newest launch naps and learns: an older one (async scheduling) was launched
-            # before this thread's own work since, so its launch-to-done time counts that work and
-            # any nap, and learning from it lengthens every later nap (a loop that only slows down).
-            newest = step.number == self._launches
-            expected = self._wait_s.get(step.key, 0.0)
-            nap = step.launched + expected - _SLEEP_MARGIN_S - begin
-            if newest:
-                if nap > 0:
-                    time.sleep(nap)
-                spinning.synchronize()
-            else:
-                sleeping.synchronize()
-            end = time.perf_counter()
-            if newest:
-                took = end - step.launched
-                self._wait_s[step.key] = took if step.key not in self._wait_s else 0.8 * expected + 0.2 * took
-            wait_s, wait_cpu_s = end - begin, time.thread_time() - cpu
-            tokens = host_tokens.tolist()
-            logprobs = host_logprobs.tolist() if host_logprobs is not None else None
+            tokens, logprobs, wait_s, wait_cpu_s = self._readback.wait(step.host, newest=step.number == self._launches)
         result = StepResult(tokens, logprobs, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
         if step.logits is not None:
             result.logits = step.logits.cpu()

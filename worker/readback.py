@@ -1,0 +1,88 @@
+"""A launched step's sampled tokens, from the device to the host: pinned slots, their events, the wait.
+
+:meth:`TokenReadback.copy` queues the copy of a step's tokens (and log-probabilities) into the next
+pinned slot and records the slot's two events behind it; :meth:`TokenReadback.wait` waits for them.
+Slots are reused round-robin: a slot comes back after three copies, by which time its step has been
+read (at most two steps are launched and unread).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+#: How much earlier than a step is expected to finish its read-back stops sleeping and starts spinning.
+_SLEEP_MARGIN_S = 0.0002
+
+
+@dataclass
+class HostCopy:
+    """A queued copy: the pinned host views it fills, the events recorded behind it (one to spin on,
+    one to sleep on), the step's shape (its expected duration is kept per shape) and when its launch began."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    spinning: torch.cuda.Event
+    sleeping: torch.cuda.Event
+    key: tuple
+    launched: float
+
+
+class TokenReadback:
+    """The pinned slots of one worker and, per step shape, how long a step takes from launch to done."""
+
+    def __init__(self) -> None:
+        self._slots: list[tuple] = []
+        self._next = 0
+        self._expected: dict[tuple, float] = {}  # step shape -> launch-to-done seconds, running average
+
+    def copy(self, out, key: tuple, launched: float) -> HostCopy:
+        """Queue the copy of ``out`` (a :class:`worker.sampling.sampler.SampleOutput`) into the next slot."""
+        n = out.token_ids.shape[0]
+        if not self._slots or self._slots[0][0].shape[0] < n:
+            cap = max(n, 2 * self._slots[0][0].shape[0] if self._slots else 1024)
+            self._slots = [(torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                            torch.empty(cap, dtype=torch.float32, pin_memory=True),
+                            torch.cuda.Event(), torch.cuda.Event(blocking=True)) for _ in range(3)]
+        tokens, logprobs, spinning, sleeping = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        tokens[:n].copy_(out.token_ids, non_blocking=True)
+        if out.logprobs is not None:
+            logprobs[:n].copy_(out.logprobs, non_blocking=True)
+        spinning.record()
+        sleeping.record()
+        return HostCopy(tokens[:n], logprobs[:n] if out.logprobs is not None else None, spinning, sleeping, key,
+                        launched)
+
+    def wait(self, copy: HostCopy, newest: bool) -> tuple[list[int], list[float] | None, float, float]:
+        """The copied tokens and log-probabilities, the seconds waited and the thread's CPU seconds in the wait.
+
+        For the newest launch (nothing queued behind it: the device idles once it is done) the thread
+        first sleeps for most of what the same shape of step has taken from its launch to its end,
+        then waits the rest on the spinning event, without the GIL: an engine loop waiting on its
+        step leaves the interpreter to its process, and the step pays no wake-up latency (a blocking
+        CUDA event cost 0.2 ms a step on the H200: bench/results/readback_ab-20261202T1033.json). An
+        older launch (async scheduling: the next step is queued behind it, so the device stays busy
+        while the thread wakes) waits on the blocking event and spends no CPU on the wait.
+
+        Only the newest launch learns its duration: an older one was launched before this thread's own
+        work since, so its launch-to-done time counts that work and any nap, and learning from it
+        lengthens every later nap (a loop that only slows down).
+        """
+        begin, cpu = time.perf_counter(), time.thread_time()
+        if newest:
+            expected = self._expected.get(copy.key)
+            nap = copy.launched + (expected or 0.0) - _SLEEP_MARGIN_S - begin
+            if nap > 0:
+                time.sleep(nap)
+            copy.spinning.synchronize()
+        else:
+            copy.sleeping.synchronize()
+        end = time.perf_counter()
+        if newest:
+            took = end - copy.launched
+            self._expected[copy.key] = took if expected is None else 0.8 * expected + 0.2 * took
+        logprobs = copy.logprobs.tolist() if copy.logprobs is not None else None
+        return copy.tokens.tolist(), logprobs, end - begin, time.thread_time() - cpu
