@@ -263,11 +263,63 @@ def test_a_step_decoded_together_equals_each_request_decoded_alone(tok_dirs, nam
                for t in texts]
     kws = [{"skip_special_tokens": i % 2 == 0, "prefix_ids": tok.encode("Once") if i % 3 == 0 else ()}
            for i in range(len(streams))]
-    alone = [tok.incremental_decoder(**kw) for kw in kws]
-    together = [tok.incremental_decoder(**kw) for kw in kws]
+    # both kinds of decoder in one step: the tokenizer's (batched) and the bytes table's
+    alone = [IncrementalDecoder(tok, **kw) if i % 2 else tok.incremental_decoder(**kw) for i, kw in enumerate(kws)]
+    together = [IncrementalDecoder(tok, **kw) if i % 2 else tok.incremental_decoder(**kw) for i, kw in enumerate(kws)]
     for step in range(max(map(len, streams))):
         live = [i for i, ids in enumerate(streams) if step < len(ids)]
         expected = [alone[i].add(streams[i][step]) for i in live]
         assert add_each([together[i] for i in live], [streams[i][step] for i in live]) == expected
     assert [d.text for d in together] == [d.text for d in alone]
     assert [d.flush() for d in together] == [d.flush() for d in alone]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_byte_level_decoder_emits_what_the_tokenizer_decoder_emits(tok_dirs, name):
+    """The bytes-table decoder (no tokenizer call per token) against IncrementalDecoder, token by token:
+    random ids biased to single-byte tokens (characters split across tokens, lone continuation
+    bytes, invalid sequences), special tokens skipped and kept, and the flush of a stream that ends
+    mid-character."""
+    import random
+
+    from worker.detokenizer import ByteLevelDecoder
+
+    tok = Tokenizer.from_dir(tok_dirs[name])
+    tables = tok.byte_level_tables
+    assert tables is not None, "every preset's tokenizer is byte-level"
+    rng = random.Random(name)
+    short = [i for i, b in enumerate(tables[False]) if 0 < len(b) <= 2]
+    specials = sorted(PRESETS[name].special_token_ids.values())
+    for n in range(200):
+        ids = [rng.choice(short) if rng.random() < 0.6 else rng.choice(specials) if rng.random() < 0.1
+               else rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        skip = n % 2 == 0
+        fast, reference = tok.incremental_decoder(skip_special_tokens=skip), IncrementalDecoder(tok, skip)
+        assert isinstance(fast, ByteLevelDecoder)
+        assert [fast.add(i) for i in ids] == [reference.add(i) for i in ids]
+        assert fast.flush() == reference.flush()
+        assert fast.text == reference.text == tok.decode(ids, skip_special_tokens=skip)
+        assert fast.token_ids == ids
+
+
+def test_byte_level_decoder_only_where_it_equals_the_tokenizer(tok_dirs):
+    """A prompt whose last tokens end mid-character, or a decoder other than ByteLevel alone, keeps
+    the tokenizer's own decoding."""
+    from tokenizers import decoders
+
+    from worker.detokenizer import ByteLevelDecoder
+
+    tok = Tokenizer.from_dir(tok_dirs["tiny-llama"])
+    emoji = [tok.token_to_id(t) for t in tok.backend.pre_tokenizer.pre_tokenize_str("🙂")[0][0]]
+    whole = tok.encode("Once upon", add_special_tokens=False)
+    assert isinstance(tok.incremental_decoder(prefix_ids=whole), ByteLevelDecoder)
+    assert isinstance(tok.incremental_decoder(prefix_ids=whole + emoji), ByteLevelDecoder)
+    gen = emoji[:3] + tok.encode(" there 東京", add_special_tokens=False) + emoji[3:] + emoji
+    prompt = whole + emoji
+    fast, reference = tok.incremental_decoder(prefix_ids=prompt), IncrementalDecoder(tok, prefix_ids=prompt)
+    assert [fast.add(i) for i in gen] + [fast.flush()] == [reference.add(i) for i in gen] + [reference.flush()]
+    assert type(tok.incremental_decoder(prefix_ids=whole + emoji[:2])) is IncrementalDecoder
+    other = Tokenizer.from_dir(tok_dirs["tiny-llama"])
+    other.backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    assert other.byte_level_tables is None
+    assert type(other.incremental_decoder()) is IncrementalDecoder

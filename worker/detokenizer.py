@@ -68,14 +68,14 @@ class IncrementalDecoder:
     they are never emitted.
     """
 
-    _PREFIX_CONTEXT = 6
+    PREFIX_CONTEXT = 6
 
     def __init__(self, tokenizer: TextDecoder, skip_special_tokens: bool = True,
                  prefix_ids: Sequence[int] = ()) -> None:
         """Start a stream over ``tokenizer``."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = [int(i) for i in prefix_ids[-self._PREFIX_CONTEXT :]] if prefix_ids else []
+        self._ids: list[int] = [int(i) for i in prefix_ids[-self.PREFIX_CONTEXT :]] if prefix_ids else []
         self._n_prefix = len(self._ids)
         # Invariant: _ids[_prefix_offset:_read_offset] decodes to text already emitted (or context).
         self._prefix_offset = 0
@@ -143,25 +143,99 @@ class IncrementalDecoder:
         return self._delta(final=True)
 
 
-def add_each(decoders: Sequence[IncrementalDecoder], token_ids: Sequence[int]) -> list[str]:
+class ByteLevelDecoder:
+    """:class:`IncrementalDecoder` for a byte-level tokenizer, from its bytes table
+    (:func:`worker.byte_level.byte_level_tables`) instead of calls into the tokenizer: each token
+    appends its bytes to what is not yet emitted, and the UTF-8 text of those bytes is emitted once
+    it does not end with U+FFFD. It emits exactly what :class:`IncrementalDecoder` emits, token by
+    token, when the prompt's last tokens end on a whole character
+    (:meth:`worker.tokenizer.Tokenizer.incremental_decoder` picks it only then).
+    """
+
+    def __init__(self, tokenizer: TextDecoder, table: Sequence[bytes], skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._table = table
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._pending = b""  # bytes of tokens whose text is not emitted yet
+        self._chunks: list[str] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated ids fed so far."""
+        return list(self._ids)
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
+
+    @property
+    def tokenizer(self) -> TextDecoder:
+        return self._tok
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the text that became final (possibly ``""``)."""
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        piece = self._table[token_id] if 0 <= token_id < len(self._table) else b""
+        if not piece:
+            return ""
+        pending = self._pending + piece
+        text = pending.decode("utf-8", "replace")
+        if text.endswith(_REPLACEMENT_CHAR):
+            self._pending = pending
+            return ""
+        self._pending = b""
+        self._chunks.append(text)
+        return text
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        """Feed several ids; return the concatenated new text."""
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """End of stream: return any held-back text (an incomplete character decodes as U+FFFD)."""
+        if not self._pending:
+            return ""
+        text, self._pending = self._pending.decode("utf-8", "replace"), b""
+        self._chunks.append(text)
+        return text
+
+
+def add_each(decoders: Sequence[IncrementalDecoder | ByteLevelDecoder], token_ids: Sequence[int]) -> list[str]:
     """``[d.add(t) for d, t in zip(decoders, token_ids)]`` with one backend call per
-    ``skip_special_tokens`` value (all decoders over one tokenizer): a step's tokens for every request
-    together, decoded outside the GIL."""
-    windows = [d.push(t) for d, t in zip(decoders, token_ids)]
-    texts: list[tuple[str, str]] = [("", "")] * len(decoders)
-    for skip in {d.skip_special_tokens for d in decoders}:
-        which = [i for i, d in enumerate(decoders) if d.skip_special_tokens == skip]
+    ``skip_special_tokens`` value for the :class:`IncrementalDecoder` ones (all over one tokenizer):
+    a step's tokens for every request together, decoded outside the GIL. A
+    :class:`ByteLevelDecoder` needs no backend call: it decodes on its own."""
+    out = [""] * len(decoders)
+    batched: list[int] = []
+    for i, (d, t) in enumerate(zip(decoders, token_ids)):
+        if isinstance(d, IncrementalDecoder):
+            batched.append(i)
+        else:
+            out[i] = d.add(t)
+    if not batched:
+        return out
+    windows = {i: decoders[i].push(token_ids[i]) for i in batched}
+    for skip in {decoders[i].skip_special_tokens for i in batched}:
+        which = [i for i in batched if decoders[i].skip_special_tokens == skip]
         flat = decoders[which[0]].tokenizer.decode_batch(  # one tokenizer for all
             [ids for i in which for ids in windows[i]], skip_special_tokens=skip)
         for k, i in enumerate(which):
-            texts[i] = (flat[2 * k], flat[2 * k + 1])
-    return [d.accept(*t) for d, t in zip(decoders, texts)]
+            out[i] = decoders[i].accept(flat[2 * k], flat[2 * k + 1])
+    return out
 
 
 def append_each(texts: list[OutputText], token_ids: list[int]) -> list[tuple[str, bool]]:
     """``[t.append(tok) for t, tok in zip(texts, token_ids)]``, detokenizing all the tokens in one
-    batch (:func:`add_each`) when the texts have a tokenizer's decoders (an engine's all have, or none)."""
+    batch (:func:`add_each`) when the texts have a tokenizer's decoders (an engine's all have, or
+    none); :class:`ByteLevelDecoder` texts decode on their own (a table look-up each)."""
     decoders = [t.decoder for t in texts]
-    if not all(isinstance(d, IncrementalDecoder) for d in decoders):
+    if not all(isinstance(d, IncrementalDecoder | ByteLevelDecoder) for d in decoders):
         return [t.append(tok) for t, tok in zip(texts, token_ids)]
     return [t.take(piece) for t, piece in zip(texts, add_each(decoders, token_ids))]

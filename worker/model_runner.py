@@ -11,6 +11,7 @@ from graphs.prefill import LivePrefillBatch
 from graphs.profile import BatchProfile
 from graphs.runner import PhaseRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
+from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
 from worker.step_message import StepMessage
@@ -44,18 +45,20 @@ class ModelRunner:
         self.decode_runner = decode_runner
         self.prefill_runner = prefill_runner
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
+        self._staging = PinnedStaging(self.device)  # the step's ids, positions and rows, in one copy
+        self._sampling_staging = PinnedStaging(self.device)
 
     def prepare(self, msg: StepMessage, previous: torch.Tensor | None = None) -> StepInputs:
         """The step's device inputs; ``msg.from_previous`` inputs are taken from ``previous`` (the
         device tokens of the step before) on the device, so nothing waits for that step."""
-        packed = torch.tensor([msg.input_ids, msg.positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        rows = torch.tensor(msg.logits_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        if msg.from_previous:
-            if previous is None:
-                raise ValueError("the step takes inputs from the previous step's tokens, and there are none")
-            where = torch.tensor(msg.from_previous, dtype=torch.int64).to(self.device, non_blocking=True)
-            packed[0].index_copy_(0, where[:, 0], previous.index_select(0, where[:, 1]).to(torch.int64))
-        return StepInputs(packed[0], packed[1], msg.attention_batch(), rows)
+        where = msg.from_previous
+        if where and previous is None:
+            raise ValueError("the step takes inputs from the previous step's tokens, and there are none")
+        ids, positions, rows, into, take = self._staging.stage(
+            [msg.input_ids, msg.positions, msg.logits_rows, [p for p, _ in where], [r for _, r in where]])
+        if where:
+            ids.index_copy_(0, into, previous.index_select(0, take).to(torch.int64))
+        return StepInputs(ids, positions, msg.attention_batch(), rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states (tokens, hidden) for ``inputs``, eagerly; writes the step's KV."""
@@ -92,5 +95,5 @@ class ModelRunner:
             if not msg.logits_rows:
                 return None, None
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device)
+        sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging)
         return sample(logits, sb), logits

@@ -36,6 +36,8 @@ class OutputProcessor:
         self.errors: dict[str, str] = {}  # request id -> why it ended with an error
         self._texts: dict[str, OutputText] = {}
         self._handoffs: dict[str, Callable[[Request], None]] = {}
+        if tokenizer is not None:
+            tokenizer.byte_level_tables  # noqa: B018 - built now (up to ~1 s for 128k tokens), not on a first token
 
     def add(self, req: Request, on_first_token: Callable[[Request], None] | None = None) -> None:
         """Give ``req`` an output text primed with the tokens it already has.

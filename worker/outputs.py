@@ -39,9 +39,13 @@ class FailureKind(enum.Enum):
     FLEET_STOPPED = "fleet_stopped"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestEvent:
-    """Progress of one request in one step: new tokens, the text they completed, and finish."""
+    """Progress of one request in one step: new tokens, the text they completed, and finish.
+
+    Treat as immutable (derive with ``dataclasses.replace``). Not ``frozen``: a frozen dataclass
+    sets each field through ``object.__setattr__``, 1.3 against 0.3 us per event, and a step makes
+    one per request."""
 
     request_id: str
     token_ids: list[int]

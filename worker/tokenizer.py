@@ -16,7 +16,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from worker.detokenizer import IncrementalDecoder
+from worker.byte_level import byte_level_tables
+from worker.detokenizer import ByteLevelDecoder, IncrementalDecoder
 from worker.tokenizer_bounds import max_bytes_per_token
 
 __all__ = ["ChatTemplateError", "DEFAULT_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer"]
@@ -317,10 +318,24 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(str(e)) from e
 
+    @cached_property
+    def byte_level_tables(self) -> dict[bool, tuple[bytes, ...]] | None:
+        """Each token's bytes per ``skip_special_tokens`` when the decoder is byte-level and the table
+        agrees with it (:func:`worker.byte_level.byte_level_tables`), else None; built on first use."""
+        return byte_level_tables(self._backend)
+
     def incremental_decoder(
         self, skip_special_tokens: bool = True, prefix_ids: Sequence[int] = ()
-    ) -> IncrementalDecoder:
-        """A new :class:`IncrementalDecoder` over this tokenizer."""
+    ) -> IncrementalDecoder | ByteLevelDecoder:
+        """A new streaming decoder over this tokenizer: a :class:`ByteLevelDecoder` (no tokenizer calls
+        per token) when the tokenizer is byte-level and ``prefix_ids`` end on a whole character (the
+        two emit the same then), else an :class:`IncrementalDecoder`."""
+        tables = self.byte_level_tables
+        if tables is not None:
+            tail = b"".join(tables[skip_special_tokens][i] for i in prefix_ids[-IncrementalDecoder.PREFIX_CONTEXT:]
+                            if 0 <= i < len(tables[skip_special_tokens]))
+            if not tail.decode("utf-8", "replace").endswith("\ufffd"):
+                return ByteLevelDecoder(self, tables[skip_special_tokens], skip_special_tokens)
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens, prefix_ids=prefix_ids)
 
     def __repr__(self) -> str:

@@ -34,8 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from worker.host_staging import PinnedStaging
 from worker.sampling.params import SamplingParams
 
 __all__ = ["SampleOutput", "SamplingBatch", "sample"]
@@ -95,8 +97,10 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
-              device: torch.device | str, *, vocab_size: int | None = None) -> SamplingBatch:
-        """Pack one row per request and copy it to ``device`` in a single (pinned, async) H2D copy.
+              device: torch.device | str, *, vocab_size: int | None = None,
+              staging: PinnedStaging | None = None) -> SamplingBatch:
+        """Pack one row per request and copy it to ``device`` in a single (pinned, async) H2D copy
+        (through ``staging``, the caller's ring of pinned buffers, when given).
 
         ``seeds[i]`` is request i's effective seed (its ``params.seed`` if set, otherwise one the
         caller drew once on the host); ``steps[i]`` is the number of output tokens it already has.
@@ -147,14 +151,13 @@ class SamplingBatch:
         if needs_sort and all_rows_have_k and max(enabled_k) <= _PARTIAL_SORT_MAX_K:
             topk_width = max(enabled_k)
 
-        ints = torch.tensor([top_ks, wrapped, list(steps), greedy], dtype=torch.int64).reshape(4, n)
-        floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32).reshape(3, n)
         # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
-        host = torch.cat([ints, floats.view(torch.int32).to(torch.int64)])
-        device = torch.device(device)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        floats = np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32)
+        if staging is None:
+            staging = PinnedStaging(device, capacity=7 * n, slots=2)
+        (dev,) = staging.stage([np.concatenate([np.array([top_ks, wrapped, list(steps), greedy],
+                                                         dtype=np.int64).reshape(-1), floats])])
+        dev = dev.view(7, n)
         f = dev[4:].to(torch.int32).view(torch.float32)
         return cls(temperature=f[0], top_k=dev[0], top_p=f[1], min_p=f[2], seeds=dev[1], steps=dev[2],
                    greedy_mask=dev[3].bool(), all_greedy=all(greedy), any_greedy=any(greedy),
