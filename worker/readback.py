@@ -67,22 +67,39 @@ class TokenReadback:
         older launch (async scheduling: the next step is queued behind it, so the device stays busy
         while the thread wakes) waits on the blocking event and spends no CPU on the wait.
 
-        Only the newest launch learns its duration: an older one was launched before this thread's own
-        work since, so its launch-to-done time counts that work and any nap, and learning from it
-        lengthens every later nap (a loop that only slows down).
+        Only the newest launch learns its duration (:func:`next_expected`): an older one was launched
+        before this thread's own work since, so its launch-to-done time counts that work and any nap,
+        and learning from it lengthens every later nap (a loop that only slows down).
         """
         begin, cpu = time.perf_counter(), time.thread_time()
+        overslept = False
         if newest:
             expected = self._expected.get(copy.key)
             nap = copy.launched + (expected or 0.0) - _SLEEP_MARGIN_S - begin
             if nap > 0:
                 time.sleep(nap)
+                overslept = copy.spinning.query()  # done before the nap ended: when, it cannot tell
             copy.spinning.synchronize()
         else:
             copy.sleeping.synchronize()
         end = time.perf_counter()
         if newest:
-            took = end - copy.launched
-            self._expected[copy.key] = took if expected is None else 0.8 * expected + 0.2 * took
+            self._expected[copy.key] = next_expected(expected, end - copy.launched, overslept)
         logprobs = copy.logprobs.tolist() if copy.logprobs is not None else None
         return copy.tokens.tolist(), logprobs, end - begin, time.thread_time() - cpu
+
+
+def next_expected(expected: float | None, took: float, overslept: bool) -> float:
+    """A shape's expected launch-to-done seconds after a newest launch that ``took`` seconds.
+
+    When the step was already done as the nap ended (``overslept``), ``took`` is the nap (its
+    oversleep included), not the step: learning it would let each oversleep lengthen the next nap,
+    a drift without bound on a busy host (a sleep overshooting by more than the margin). Such a
+    wait shortens the expectation by a fifth of the margin instead, until a nap ends before its step
+    and the step's own end is measured again.
+    """
+    if expected is None:
+        return took
+    if overslept:
+        return expected - 0.2 * _SLEEP_MARGIN_S
+    return 0.8 * expected + 0.2 * took
