@@ -242,6 +242,8 @@ def merge_by_request(events: list[RequestEvent]) -> list[RequestEvent]:
     """One event per request (:func:`worker.outputs.merge_events` of its events, in order), in the
     order of each request's first: a lagging reader then costs one event per request however many
     steps it missed."""
+    if len({ev.request_id for ev in events}) == len(events):
+        return events  # one step since the last poll: nothing to merge
     by_request: dict[str, list[RequestEvent]] = {}
     for ev in events:
         by_request.setdefault(ev.request_id, []).append(ev)

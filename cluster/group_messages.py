@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.outputs import RequestEvent
+from worker.outputs import RequestEvent, events_from_wire, events_to_wire
 from worker.sampling.params import SamplingParams
 
 
@@ -107,3 +107,13 @@ class GroupReport:
     applied: int = 0
     step_s: float = 0.0
     loop_error: str | None = None
+
+    def __reduce__(self):
+        # The events travel as columns: cloudpickle runs a Python-level reducer per dataclass, and
+        # the leader's report thread pickles while holding the GIL its engine loop needs.
+        return (_unpack_report, (events_to_wire(self.events), self.staged, self.accepted, self.refused, self.load,
+                                 self.applied, self.step_s, self.loop_error))
+
+
+def _unpack_report(events, staged, accepted, refused, load, applied, step_s, loop_error) -> GroupReport:
+    return GroupReport(events_from_wire(events), staged, accepted, refused, load, applied, step_s, loop_error)

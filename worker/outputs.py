@@ -57,6 +57,22 @@ class RequestEvent:
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)
 
 
+def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
+    """``events`` as columns of builtins (:func:`events_from_wire` inverts it): pickling them costs
+    no Python-level reducer per event (6 against 134 us for 64 events under cloudpickle)."""
+    return (tuple(e.request_id for e in events), tuple(e.token_ids for e in events), tuple(e.text for e in events),
+            tuple(e.finished for e in events), tuple(e.finish_reason for e in events),
+            tuple(e.logprobs for e in events), tuple(e.error for e in events),
+            tuple(None if e.failure is None else e.failure.value for e in events))
+
+
+def events_from_wire(columns: tuple) -> list[RequestEvent]:
+    """The events :func:`events_to_wire` packed."""
+    ids, tokens, texts, finished, reasons, logprobs, errors, failures = columns
+    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k))
+            for i, t, x, f, r, lp, e, k in zip(ids, tokens, texts, finished, reasons, logprobs, errors, failures)]
+
+
 def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
     """One event with the tokens, text and logprobs of consecutive ``events`` of one request, and
     the finish of the last."""
