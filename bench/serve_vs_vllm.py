@@ -4,7 +4,9 @@ One invocation serves the checkpoint with ``vllm serve`` (vLLM's OpenAI API serv
 own site directory in a process of its own: its pins differ from ours), sends it the load of
 ``bench/serve.py`` (``--num-prompts`` random-token prompts per rate of ``--rates``, Poisson
 arrivals, streamed, ``--input-len`` in and ``--output-len`` out, the same seeds), stops it, then
-starts graphfleet's app on the same checkpoint and sends it the same prompts. Output tokens/s,
+starts graphfleet's app on the same checkpoint and sends it the same prompts; our clients talk to
+the ingress replica's own HTTP server as under ``graphfleet serve`` (``--proxy``: through Serve's
+proxy, the Helm chart's path). Output tokens/s,
 TTFT, TPOT and ITL per rate go side by side with graphfleet over vLLM. A peer that fails to start
 or to serve is a row with its error, never a crashed bench.
 
@@ -100,7 +102,7 @@ def graphfleet_rows(path: Path, args: argparse.Namespace, vocab: int) -> tuple[l
     try:
         cpu = [] if torch.cuda.is_available() else list(CPU_OVERRIDES)
         base = start_app(path, [*cpu, f"cluster.mode={args.mode}", *args.set], args.preset,
-                         direct_ingress=args.direct_ingress)
+                         direct_ingress=not args.proxy)
         wait_healthy(base, args.start_timeout_s)
         ready_s = time.monotonic() - t0
         return run_rates(base, args, vocab), None, ready_s
@@ -128,8 +130,9 @@ def main() -> None:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
     ap.add_argument("--peers", default="vllm,graphfleet", help="which servers to run, in order")
-    ap.add_argument("--direct-ingress", action="store_true",
-                    help="our clients talk to the ingress replica's own HTTP server, not through Serve's proxy")
+    ap.add_argument("--proxy", action="store_true",
+                    help="our clients go through Serve's proxy (the Helm chart's path) instead of talking to the "
+                         "ingress replica's own HTTP server (direct ingress, what `graphfleet serve` does by default)")
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     if torch.cuda.is_available():
