@@ -162,7 +162,10 @@ def test_stuck_rank_times_out_the_step_and_the_group_recovers(ray_local, checkpo
         os.kill(pid, signal.SIGSTOP)
         _wait_until_frozen(rank)
         started = time.monotonic()
-        assert engine.step() == []  # timed out: requests re-queued
+        events = engine.step()
+        if events:  # async scheduling: the step sent before the freeze lands first
+            events = engine.step()
+        assert events == []  # timed out: requests re-queued
         assert time.monotonic() - started < 3 + 5 + 20, "failing the stuck group took too long"
         assert "step exceeded cluster.step_timeout_s=3" in group.last_error
         while engine.has_unfinished():

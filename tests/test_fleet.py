@@ -188,7 +188,8 @@ def test_engine_hands_off_to_another_engine_token_for_token(path, reference):
     """The engine half of the hand-off, in-process: admit(on_first_token) -> export -> add_prefilled_request."""
     prompts = _prompts(3, seed=11)
     want = reference(prompts)
-    pre, dec = Engine(_config(path)), Engine(_config(path))
+    # a prefill engine steps synchronously (as a fleet's prefill role does: fleet.config.role_config)
+    pre, dec = Engine(_config(path, "scheduler.async_scheduling=false")), Engine(_config(path))
     free = pre.num_free_pages
     payloads = {}
 

@@ -286,4 +286,6 @@ class Engine:
                     return
         finally:
             self.abort(rid)
+            while self.in_flight and not self.scheduler.has_work():
+                self.step()  # read back the step in flight, so its pages come back now (async scheduling)
             self.release(rid)
