@@ -1,21 +1,44 @@
-"""Decode step time per bucket: eager vs full graph vs breakable graph vs peers, and the HBM floor.
+"""Decode step time per bucket: ours (eager, full graph, breakable) against the HBM floor and peers.
 
-All variants run in one process on the same checkpoint, weights and KV contents (random, never
-zero), context ``--context`` tokens per row. Steps are timed wall-clock around host planning,
-launch and a device sync (what a serving step costs), median of ``--repeats`` after warm-up.
-Peers: HF transformers with a static cache (eager, and ``torch.compile(mode="reduce-overhead")``)
-and ``torch.compile`` of our own decode step. Failures of a peer are recorded, not fatal.
-Also reports graph memory of the whole ladder on one pool against one pool per shape.
+Ours, in this process: one checkpoint, weights and KV contents (random, never zero), ``--context``
+tokens per row; the eager step, the full CUDA graph and the breakable graph, each timed wall-clock
+around host planning, launch and a device sync (body and LM head, no sampling), median of
+``--repeats`` after warm-up. The HBM floor is (weights + KV read) / the device-to-device copy
+bandwidth measured at start. Also graph memory of the whole ladder on one pool against one pool per
+shape.
+
+Peers (``--peers``), each in a process of its own, started one after the other once ours has
+released its GPU memory (a device-side assert poisons only the child's CUDA context; a crash, a
+non-zero exit or a timeout is a row with the child's last stderr lines, never a crashed bench):
+
+* ``ours_compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)`` of our decode step, what
+  a user of our code would try; timed as ours, ``--compile-batches``. This script with
+  ``--compile-one`` and our environment (torch.compile state is process-wide: building a model after
+  a compile once tripped an assert, and a child lets several presets run in one invocation).
+* ``hf``: HF transformers ``generate()`` with a static cache, eager (``disable_compile=True``);
+  ``hf_compile``: the same with transformers' automatic torch.compile. ``--hf-batches``, our env.
+* ``vllm``: vLLM 0.25.0's offline ``LLM`` (CUDA graphs on), ``--vllm-batches``, in a child whose
+  PYTHONPATH is ``--vllm-site`` alone (its pins differ from ours).
+
+HF and vLLM per token = (t(65 new tokens) - t(1 new token)) / 64 for b prompts of ``--context``
+random ids, medians of ``--peer-repeats`` after a warm-up: one decode step of batch b with their own
+sampling and loop (bench/decode_peers.py has the details). ``full_over_<peer>`` is our full graph
+step over the peer's (below 1: ours is faster). The JSON has, per preset, the table's rows (with
+``<peer>_error`` where a peer gave no number), ``graph_memory`` and ``peers``: each peer's rows per
+batch (``step_s``, ``t1_s``, ``t65_s`` or ``error``), its process-level ``error`` and ``wall_s``.
+
+GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
+--presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, environment, print_table, write_results  # noqa: E402
+from bench.decode_peers import emit, error_text, hf_peer, run_peer, step_or_error, vllm_peer  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from graphs.backends import create_backend  # noqa: E402
 from graphs.buckets import default_decode_ladder  # noqa: E402
@@ -35,6 +59,9 @@ from worker.model.loader import load_model  # noqa: E402
 from worker.model_steps import ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
+PEERS = ("ours_compile", "hf", "hf_compile", "vllm")  # the order they run in
+PEER_COLUMNS = {"ours_compile": "ours_torch_compile_ms", "hf": "hf_generate_ms", "hf_compile": "hf_generate_compile_ms",
+                "vllm": "vllm_ms"}
 
 
 def timed(fn, repeats: int, warmup: int = 3) -> float:
@@ -131,110 +158,133 @@ def ladder_memory(setup: Setup, max_bs: int) -> dict:
             "one_pool_per_shape_bytes": per_shape, "shared_over_largest": shared / largest}
 
 
-def compiled_ours(setup: Setup, batches: list[int], repeats: int) -> dict:
-    """torch.compile(mode="reduce-overhead") of our decode step, what a user of our code would try."""
-    out = {}
+def compiled_ours(setup: Setup, batches: list[int], repeats: int) -> None:
+    """torch.compile(mode="reduce-overhead") of our decode step: one JSON row per batch on stdout (child side)."""
     step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     compiled = torch.compile(step.forward, mode="reduce-overhead", dynamic=False)
     for b in batches:
         live = setup.batch(b)
-        try:
-            def run():
-                setup.attention.plan(live.attention)
-                return compiled(live.input_ids, live.positions)
 
-            out[b] = timed(run, repeats)
+        def run():
+            setup.attention.plan(live.attention)
+            return compiled(live.input_ids, live.positions)
+
+        try:
+            emit("ours_compile", b, step_s=timed(run, repeats))
         except Exception as e:  # noqa: BLE001 - a failing peer is a result
-            out[b] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            emit("ours_compile", b, error=error_text(e))
+
+
+def run_peers(path: Path, args: argparse.Namespace, peers: list[str]) -> dict[str, dict]:
+    """Each selected peer in a child of its own, in :data:`PEERS` order: ``{peer: run_peer's result}``."""
+    ctx, reps, out = args.context, args.peer_repeats, {}
+    for peer in (p for p in PEERS if p in peers):
+        print(f"{path.name}: peer {peer}", flush=True)
+        if peer == "ours_compile":
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-one", str(path), "--compile-batches",
+                   args.compile_batches, "--context", str(ctx), "--repeats", str(args.repeats), "--attention",
+                   args.attention]
+            out[peer] = run_peer(peer, cmd, dict(os.environ), args.peer_timeout_s, ints(args.compile_batches))
+        elif peer in ("hf", "hf_compile"):
+            out[peer] = hf_peer(path, ints(args.hf_batches), ctx, reps, args.peer_timeout_s, compile_=peer != "hf")
+        else:
+            out[peer] = vllm_peer(path, ints(args.vllm_batches or args.batches), ctx, reps, args.vllm_timeout_s,
+                                  args.vllm_site, args.vllm_gpu_memory_utilization)
     return out
 
 
-def hf_peer(path: Path, batches: list[int], context: int, repeats: int, compile_: bool) -> dict:
-    out = {}
-    try:
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    except Exception as e:  # noqa: BLE001
-        return {b: f"load failed: {e}" for b in batches}
-    fwd = torch.compile(model.forward, mode="reduce-overhead") if compile_ else model.forward
+def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers: dict[str, dict]) -> list[dict]:
+    """Table rows of one preset: ours, the floor, each peer's step (or its error) and full graph over it."""
+    out = []
     for b in batches:
-        try:
-            cache = transformers.StaticCache(config=model.config, max_cache_len=context + 8)
-            g = torch.Generator().manual_seed(b)
-            prompt = torch.randint(10, model.config.vocab_size, (b, context), generator=g).cuda()
-            with torch.no_grad():
-                model(prompt, past_key_values=cache, use_cache=True)
-                tok = torch.randint(10, model.config.vocab_size, (b, 1), generator=g).cuda()
-                pos = torch.tensor([context], device="cuda")
-
-                def step():
-                    return fwd(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
-
-                out[b] = timed(step, repeats)
-        except Exception as e:  # noqa: BLE001
-            out[b] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            traceback.print_exc(limit=2)
-        torch.cuda.empty_cache()
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+        full = rows[("full", b)]
+        r = {"preset": preset, "batch": b, "floor_ms": floors[b], "full_ms": full * 1e3,
+             "full_over_floor": full * 1e3 / floors[b], "eager_ms": rows[("eager", b)] * 1e3,
+             "breakable_ms": rows[("breakable", b)] * 1e3, "eager_over_full": rows[("eager", b)] / full,
+             "breakable_over_full": rows[("breakable", b)] / full}
+        for peer, res in peers.items():
+            step, error = step_or_error(res, b)
+            r[PEER_COLUMNS[peer]] = step * 1e3 if step is not None else None
+            r[f"full_over_{peer}"] = full / step if step is not None and step > 0 else None
+            if error:
+                r[f"{peer}_error"] = error
+        out.append(r)
     return out
 
 
-def main() -> None:
+def ints(csv: str) -> list[int]:
+    return [int(b) for b in csv.split(",") if b]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tinyllama-1.1b,llama-3-8b")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--peers", default="hf,hf_compile,ours_compile")
+    ap.add_argument("--peers", default="hf,ours_compile,vllm", help=f"any of {','.join(PEERS)}; empty for none")
     ap.add_argument("--compile-batches", default="1,64",
-                    help="batch sizes for the torch.compile peers (each size compiles anew)")
+                    help="batch sizes for torch.compile of ours (each size compiles anew)")
+    ap.add_argument("--hf-batches", default="1,8,64", help="batch sizes for HF generate")
+    ap.add_argument("--vllm-batches", help="batch sizes for vLLM (default: --batches)")
+    ap.add_argument("--peer-repeats", type=int, default=3, help="timed repeats of each generate length (HF, vLLM)")
+    ap.add_argument("--peer-timeout-s", type=float, default=900.0, help="limit of each ours_compile / hf child")
+    ap.add_argument("--vllm-site", default="/tmp/vllm-site", help="where vLLM and its pins are installed")
+    ap.add_argument("--vllm-timeout-s", type=float, default=900.0)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "torch"])
+    ap.add_argument("--compile-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    peers = set(filter(None, args.peers.split(",")))
-    bw = copy_bandwidth()
-    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    results, table = {"env": environment(), "copy_bandwidth_Bps": bw, "args": vars(args), "presets": {}}, []
-    for preset in args.presets.split(","):
-        path = ensure_checkpoint(preset, Path(args.checkpoints))
-        setup = Setup(path, max(batches), args.context, args.attention)
-        floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
-        rows, memory = ours(setup, batches, args.repeats)
-        memory["ladder"] = ladder_memory(setup, max(batches))
-        compile_batches = [int(b) for b in args.compile_batches.split(",")]
-        # torch.compile runs last: on torch 2.11 building a model after it tripped a
-        # PythonDispatcher assert. With compile peers on, give one preset per invocation.
-        hf = hf_peer(path, batches, args.context, args.repeats, False) if "hf" in peers else {}
-        hfc = hf_peer(path, compile_batches, args.context, args.repeats, True) if "hf_compile" in peers else {}
-        compiled = compiled_ours(setup, compile_batches, args.repeats) if "ours_compile" in peers else {}
-        del setup
-        gc.collect()
-        torch.cuda.empty_cache()
-        per_preset = []
-        for b in batches:
-            r = {"preset": preset, "batch": b,
-                 **{f"{k}_ms": rows[(k, b)] * 1e3 for k in ("eager", "full", "breakable")}}
-            r["floor_ms"] = floors[b]
-            r["full_over_floor"] = r["full_ms"] / floors[b]
-            r["eager_over_full"] = rows[("eager", b)] / rows[("full", b)]
-            r["breakable_over_full"] = rows[("breakable", b)] / rows[("full", b)]
-            for name, res in (("hf_eager", hf), ("hf_compile", hfc), ("ours_compile", compiled)):
-                v = res.get(b)
-                r[f"{name}_ms"] = v * 1e3 if isinstance(v, float) else None
-                if isinstance(v, str):
-                    r[f"{name}_error"] = v
-            per_preset.append(r)
-        results["presets"][preset] = {"rows": per_preset, "graph_memory": memory}
-        table += per_preset
-    print_table(table, ["preset", "batch", "floor_ms", "eager_ms", "full_ms", "breakable_ms", "hf_eager_ms",
-                        "hf_compile_ms", "ours_compile_ms", "eager_over_full", "breakable_over_full",
-                        "full_over_floor"])
+    unknown = set(filter(None, args.peers.split(","))) - set(PEERS)
+    if unknown:
+        ap.error(f"unknown peers {sorted(unknown)}; choose from {','.join(PEERS)}")
+    return args
+
+
+def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
+    """Ours in this process, then (its GPU memory released) the peers in their children."""
+    batches = ints(args.batches)
+    path = ensure_checkpoint(preset, Path(args.checkpoints))
+    setup = Setup(path, max(batches), args.context, args.attention)
+    floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
+    rows, memory = ours(setup, batches, args.repeats)
+    memory["ladder"] = ladder_memory(setup, max(batches))
+    del setup
+    gc.collect()
+    torch.cuda.empty_cache()  # what we held goes to the peers' children
+    peers = run_peers(path, args, list(filter(None, args.peers.split(","))))
+    return {"rows": preset_rows(preset, batches, rows, floors, peers), "graph_memory": memory, "peers": peers}
+
+
+def report(results: dict, peers: list[str]) -> None:
+    chosen = [p for p in PEERS if p in peers]
+    print_table([r for res in results["presets"].values() for r in res["rows"]],
+                ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "eager_ms", "breakable_ms",
+                 *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])
+        for peer, r in res["peers"].items():
+            errors = {b: row["error"] for b, row in r["rows"].items() if "error" in row}
+            if r["error"] or errors:
+                print(f"{preset} {peer} failed: {r['error'] or ''} {errors or ''}".rstrip())
+
+
+def main() -> None:
+    args = parse_args()
+    if args.compile_one:
+        batches = ints(args.compile_batches)
+        compiled_ours(Setup(Path(args.compile_one), max(batches), args.context, args.attention), batches, args.repeats)
+        return
+    bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    results = {"env": environment(), "copy_bandwidth_Bps": bw, "args": vars(args), "presets": {}}
+    presets = args.presets.split(",")
+    for i, preset in enumerate(presets):
+        results["presets"][preset] = bench_preset(preset, args, bw)
+        if i + 1 < len(presets):
+            write_results("decode-partial", results)  # survives a later preset's crash or the run's timeout
+    report(results, args.peers.split(","))
     print(f"wrote {write_results('decode', results)}")
 
 
