@@ -5,7 +5,9 @@ request rate of ``--rates`` sends ``--num-prompts`` random-token prompts with Po
 (``inf``: all at once), streamed, and reports TTFT, TPOT, ITL and e2e (p50, p99), request and
 output-token throughput, goodput (requests within ``--slo-ttft-ms`` and ``--slo-tpot-ms``, per
 second), and from ``/metrics`` before and after each rate the decode graph hit ratio: replayed
-decode passes (``decode_cuda_graph`` + ``decode_breakable``) over all decode passes of every rank.
+decode passes (``decode_cuda_graph`` + ``decode_breakable``) over all decode passes of every rank,
+and the TTFT's mean by phase: preprocessing, the engine's queue, its prefill, and the rest (the
+fleet, the hops between processes, delivery).
 ``--compare`` also times the in-process engine's decode step at ``--compare-batch`` requests and
 the same batch through Serve (steady-state decode tokens/s of both, and their ratio).
 
@@ -88,6 +90,36 @@ def decode_passes(base: str) -> tuple[dict[str, float], dict[str, float]]:
             elif s.name == "cuda_graph_fallbacks_total":
                 reasons[s.labels["reason"]] = reasons.get(s.labels["reason"], 0.0) + s.value
     return modes, reasons
+
+
+#: The TTFT and its phases, as histograms of /metrics: ours, and vLLM's where it has the same one.
+TTFT_PHASES = {"ttft": "time_to_first_token_seconds", "preprocess": "graphfleet_request_preprocess_time_seconds",
+               "queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
+               "overhead": "graphfleet_request_first_token_overhead_seconds"}
+
+
+def phase_sums(base: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of :data:`TTFT_PHASES` over ``/metrics`` (``vllm:``-prefixed names too)."""
+    _, text = _get(f"{base}/metrics")
+    names = {n: k for k, n in TTFT_PHASES.items()} | {f"vllm:{n}": k for k, n in TTFT_PHASES.items()}
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for suffix, i in (("_sum", 0), ("_count", 1)):
+                if s.name.endswith(suffix) and s.name[: -len(suffix)] in names:
+                    sums.setdefault(names[s.name[: -len(suffix)]], [0.0, 0.0])[i] += s.value
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+def phase_means_ms(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]) -> dict:
+    """``<phase>_mean_ms`` of the requests between two :func:`phase_sums` (None: the server has no such
+    histogram). Ours add up to the TTFT's mean: preprocess + queue + prefill + overhead."""
+    out = {}
+    for k in TTFT_PHASES:
+        s, c = after.get(k, (0.0, 0.0))
+        s0, c0 = before.get(k, (0.0, 0.0))
+        out[f"{k}_mean_ms"] = 1e3 * (s - s0) / (c - c0) if c > c0 else None
+    return out
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -216,14 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for i, rate in enumerate(rates):
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed + 100 + i)
-        before = decode_passes(base)
+        before, phases_before = decode_passes(base), phase_sums(base)
         records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, rate, args.seed + i,
                                                  headers))
-        after = decode_passes(base)
+        after, phases = decode_passes(base), phase_means_ms(phase_sums(base), phases_before)
         modes, reasons = _delta(after[0], before[0]), _delta(after[1], before[1])
         rows.append({"rate": rate, **summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms),
                      "decode_graph_hit_ratio": hit_ratio(modes), "decode_passes": modes,
-                     "decode_fallbacks": reasons})
+                     "decode_fallbacks": reasons, **phases})
     if compare is not None:
         prompts = random_prompts(args.compare_batch, args.input_len, vocab, args.seed + 7)
         records, _ = asyncio.run(run_load(base, model, prompts, args.compare_tokens, float("inf"), args.seed,
@@ -236,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                 ["rate", "completed", "failed", "request_throughput", "output_throughput", "goodput",
                  "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
                  "e2e_p50_ms", "e2e_p99_ms", "decode_graph_hit_ratio"])
+    print("TTFT by phase (means, ms; from /metrics): preprocess + queue + prefill + overhead = ttft")
+    print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows], ["rate", *(f"{k}_mean_ms" for k in TTFT_PHASES)])
     if compare is not None:
         print_table([compare], ["batch", "context", "tokens_per_s", "serve_tokens_per_s", "serve_over_in_process"])
     name = "serve-quick" if args.quick else f"serve-{args.mode}" + ("-direct" if args.direct_ingress else "")

@@ -32,11 +32,12 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve import CPU_OVERRIDES, _free_port, _get, start_app, wait_healthy  # noqa: E402
+from bench.serve import CPU_OVERRIDES, _free_port, _get, phase_means_ms, phase_sums, start_app, wait_healthy  # noqa: E402
 from bench.serve_load import random_prompts, run_load, summarize  # noqa: E402
 
 COLUMNS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
-           "completed", "failed")
+           "completed", "failed", "ttft_mean_ms", "queue_mean_ms", "prefill_mean_ms", "preprocess_mean_ms",
+           "overhead_mean_ms")
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
@@ -48,8 +49,10 @@ def run_rates(base: str, args: argparse.Namespace, vocab: int) -> list[dict]:
     rows = []
     for i, rate in enumerate(float(r) for r in args.rates.split(",")):
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed + 100 + i)
+        before = phase_sums(base)
         records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, rate, args.seed + i))
-        rows.append({"rate": rate, **summarize(records, duration, None, None)})
+        rows.append({"rate": rate, **summarize(records, duration, None, None),
+                     **phase_means_ms(phase_sums(base), before)})
     return rows
 
 

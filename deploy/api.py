@@ -172,9 +172,10 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrived = time.monotonic()
         prepared = await accept(request, "completions")
         req = prepared.request
-        jobs = _submit(fleet, prepared, "prompt", serve_cfg.request_timeout_s, metrics)
+        jobs = _submit(fleet, prepared, "prompt", serve_cfg.request_timeout_s, metrics, arrived)
         rid, t0 = p.new_id("cmpl"), p.now()
         if req.stream:
             return sse_response(completion_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
@@ -188,9 +189,10 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        arrived = time.monotonic()
         prepared = await accept(request, "chat")
         req = prepared.request
-        jobs = _submit(fleet, prepared, "messages", serve_cfg.request_timeout_s, metrics)
+        jobs = _submit(fleet, prepared, "messages", serve_cfg.request_timeout_s, metrics, arrived)
         rid, t0 = p.new_id("chatcmpl"), p.now()
         if req.stream:
             return sse_response(chat_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
@@ -206,10 +208,12 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
     return app
 
 
-def _submit(fleet, prepared: PreparedRequest, param: str, timeout_s: float | None, metrics: ApiMetrics) -> list[Job]:
-    """Submit every choice of ``prepared``; all or none are queued."""
+def _submit(fleet, prepared: PreparedRequest, param: str, timeout_s: float | None, metrics: ApiMetrics,
+            arrived: float) -> list[Job]:
+    """Submit every choice of ``prepared`` (the request arrived at ``arrived``, ``time.monotonic()``:
+    its TTFT and latency count from then); all or none are queued."""
     jobs: list[Job] = []
-    t0 = time.monotonic()
+    t0 = arrived
     try:
         for index, (i, params) in enumerate(prepared.choices):
             ids = prepared.prompts[i]

@@ -7,7 +7,8 @@ rank's ``cuda_graph_*`` metrics (see :mod:`deploy.metrics_merge`).
 Token timing comes from the fleet, not from the HTTP side: the fleet's loop stamps each token
 as it delivers it (:attr:`fleet.fleet.RequestHandle.token_times`), for streamed and non-streamed
 requests alike. ``time_to_first_token_seconds`` is the first stamp minus the request's arrival at
-the API; ``inter_token_latency_seconds`` gets one observation per later token (the gap to the one
+the API (before its body is parsed and its prompt tokenized; the phase histograms split it);
+``inter_token_latency_seconds`` gets one observation per later token (the gap to the one
 before; tokens of several engine steps reported together share a stamp and give 0).
 Streams observe them as the events are sent; non-streamed requests when their response is built.
 """
@@ -28,7 +29,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 class ApiMetrics:
     """``prompt_tokens``, ``generation_tokens``, ``request_success{finish_reason}``,
-    ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
+    ``time_to_first_token_seconds`` and its phases (``graphfleet_request_preprocess_time_seconds``,
+    ``request_queue_time_seconds``, ``request_prefill_time_seconds``,
+    ``graphfleet_request_first_token_overhead_seconds``: they add up to it, request by request),
+    ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
     ``num_requests_running`` / ``num_requests_waiting``, ``kv_cache_usage_ratio{group,role}`` and
     ``graphfleet_api_rejected{reason}`` and ``graphfleet_gil_switch_interval_seconds``."""
 
@@ -46,6 +50,18 @@ class ApiMetrics:
                              "of one request", label, buckets=_ITL_BUCKETS, registry=reg)
         self.e2e = Histogram("e2e_request_latency_seconds", "Request latency from arrival to finish",
                              label, buckets=_LATENCY_BUCKETS, registry=reg)
+        # The TTFT by phase: preprocess + (engine) queue + (engine) prefill + overhead = TTFT.
+        self.preprocess = Histogram("graphfleet_request_preprocess_time_seconds", "Time from arrival to the "
+                                    "request's submission to the fleet (parsing, tokenization, checks)",
+                                    label, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.queue = Histogram("request_queue_time_seconds", "Time a request waited in its engine's queue "
+                               "before its first step", label, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.prefill = Histogram("request_prefill_time_seconds", "Time from a request's first engine step to "
+                                 "its first token on the engine", label, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.first_token_overhead = Histogram(
+            "graphfleet_request_first_token_overhead_seconds", "What the TTFT spends outside preprocessing and "
+            "the engine: the fleet's routing, the hops to and from the group's leader, delivery", label,
+            buckets=_LATENCY_BUCKETS, registry=reg)
         self.running = Gauge("num_requests_running", "Requests on a worker group", label, registry=reg)
         self.waiting = Gauge("num_requests_waiting", "Requests queued for a worker group", label, registry=reg)
         self.kv_usage = Gauge("kv_cache_usage_ratio", "Fraction of a group's usable KV pages held by requests "
@@ -74,6 +90,18 @@ class ApiMetrics:
             else:
                 self.itl.labels(m).observe(times[k] - times[k - 1])
         return max(start, stop)
+
+    def first_token_phases(self, ttft: float, preprocess: float, engine: tuple[float, float] | None) -> None:
+        """Observe a request's TTFT by phase: ``preprocess`` (arrival to submission), the ``engine``'s
+        queue and prefill seconds (None: its first token came from no engine, e.g. an error) and the rest."""
+        m = self.model_name
+        self.preprocess.labels(m).observe(preprocess)
+        if engine is None:
+            return
+        queue, prefill = engine
+        self.queue.labels(m).observe(queue)
+        self.prefill.labels(m).observe(prefill)
+        self.first_token_overhead.labels(m).observe(max(0.0, ttft - preprocess - queue - prefill))
 
     def finished(self, t0: float, prompt_tokens: int, generated: int, finish_reason: str | None) -> None:
         m = self.model_name

@@ -34,9 +34,13 @@ class Job:
     observed: int = 0
 
     def observe_tokens(self, metrics: ApiMetrics, upto: int | None = None) -> None:
-        """Observe TTFT and inter-token gaps of token deliveries ``observed..upto`` (None: all so far)."""
+        """Observe TTFT and inter-token gaps of token deliveries ``observed..upto`` (None: all so far),
+        and the first token's time by phase with the TTFT."""
         times = self.handle.token_times
+        first = self.observed == 0
         self.observed = metrics.token_times(self.t0, times, self.observed, len(times) if upto is None else upto)
+        if first and self.observed > 0:
+            metrics.first_token_phases(times[0] - self.t0, self.handle.submitted - self.t0, self.handle.engine_phases)
 
 
 def abort_unfinished(jobs: list[Job]) -> None:

@@ -46,8 +46,20 @@ class RequestHandle:
         self._link, self._sink, self._timeout_s = link, request.sink, request.timeout_s
         self._submitted = request.submitted
         self._token_times = request.token_times
+        self._request = request
         self._output: RequestOutput | None = None
         self._finished = False
+
+    @property
+    def submitted(self) -> float:
+        """``time.monotonic()`` at which it was submitted to the fleet."""
+        return self._submitted
+
+    @property
+    def engine_phases(self) -> tuple[float, float] | None:
+        """Seconds the request waited in its engine's queue, and from its first step there to its first
+        token (:attr:`worker.outputs.RequestEvent.phases`); None until the first token is delivered."""
+        return self._request.phases
 
     @property
     def finished(self) -> bool:

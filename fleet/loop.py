@@ -299,7 +299,8 @@ class FleetLoop:
                 final = dataclasses.replace(ev, request_id=fr.request_id, failure=failure)
                 self._end(fr, ev.finish_reason, ev.error, final, failure)
             else:
-                fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
+                fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs,
+                                        phases=ev.phases))
         for engine_id in report.accepted:
             fr = member.assigned.get(engine_id)
             if fr is not None:
@@ -324,7 +325,7 @@ class FleetLoop:
         """``fr`` sampled its first token on prefill group ``member``, which staged its KV: queue its hand-off."""
         del member.assigned[ev.request_id]
         fr.member = None
-        fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs))
+        fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs, phases=ev.phases))
         staged = report.staged.get(ev.request_id)
         if staged is None or staged.error is not None:
             why = staged.error if staged is not None else "nothing was staged"

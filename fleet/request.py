@@ -192,6 +192,7 @@ class FleetRequest:
     holds_admission: bool = True  # counts against the router's queue bound until first dispatched
     last_failure: str | None = None
     token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each token
+    phases: tuple[float, float] | None = None  # the engine's queue and prefill seconds (RequestEvent.phases)
 
     @property
     def deadline(self) -> float | None:
@@ -208,6 +209,8 @@ class FleetRequest:
         """Record ``event`` as sent (with its time, if it carries tokens) and send it to the client."""
         if event.token_ids:  # before the put: a reader of token k sees time k
             self.token_times.extend([time.monotonic()] * len(event.token_ids))
+        if event.phases is not None and self.phases is None:
+            self.phases = event.phases
         self.output_ids.extend(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)

@@ -188,6 +188,17 @@ def test_stop_strings_and_streaming_text(checkpoint_dir):
     assert engine.num_free_pages == free
 
 
+def test_first_token_event_carries_the_engine_queue_and_prefill_times(checkpoint_dir):
+    """Only the event of a request's first output token has phases: (queue, prefill) seconds, as vLLM's
+    request_queue_time_seconds and request_prefill_time_seconds; a later request queued behind a
+    full batch waits longer than the first."""
+    engine = make_engine(checkpoint_dir("tiny-llama"))
+    events = list(engine.stream([5] * 40, SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert events[0].token_ids and events[0].phases is not None and all(e.phases is None for e in events[1:])
+    queue, prefill = events[0].phases
+    assert 0 <= queue < prefill
+
+
 def test_stream_closed_early_aborts_and_frees(checkpoint_dir):
     engine = make_engine(checkpoint_dir("tiny-llama"))
     free = engine.num_free_pages

@@ -99,6 +99,12 @@ def test_metrics_count_the_requests_sent(server, client):
     # The first token gives the TTFT, each later one a gap (0 for tokens delivered together), streamed or not.
     assert delta("inter_token_latency_seconds_count") == n * (MAX_TOKENS - 1)
     assert delta("inter_token_latency_seconds_sum") > 0
+    # The TTFT by phase (the prefill group's engine gave the first tokens): they add up to it.
+    phases = ("graphfleet_request_preprocess_time_seconds", "request_queue_time_seconds",
+              "request_prefill_time_seconds", "graphfleet_request_first_token_overhead_seconds")
+    assert [delta(f"{name}_count") for name in phases] == [n] * 4
+    assert delta("request_prefill_time_seconds_sum") > 0
+    assert sum(delta(f"{name}_sum") for name in phases) == pytest.approx(delta("time_to_first_token_seconds_sum"))
     assert total(after, "num_requests_running") == 0 and total(after, "num_requests_waiting") == 0
 
     # Graph metrics of both ranks, one family each, every sample naming its group, rank and role.

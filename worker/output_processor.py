@@ -85,8 +85,11 @@ class OutputProcessor:
         req.output_ids.append(token)
         if logprob is not None and req.params.logprobs:
             req.logprobs.append(logprob)
+        phases = None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+            if len(req.output_ids) == 1 and req.scheduled_time is not None:  # its first token anywhere
+                phases = (req.scheduled_time - req.arrival_time, req.first_token_time - req.scheduled_time)
         text = self._texts[req.request_id]
         p = req.params
         reason = None
@@ -98,12 +101,13 @@ class OutputProcessor:
         if reason is None and handoff is not None:
             handoff(req)  # the pages still hold the KV: the callback must take it before they are freed
             self.scheduler.finish(req, "handoff")
-            return RequestEvent(req.request_id, [token], delta, True, "handoff", [logprob] if p.logprobs else None)
+            return RequestEvent(req.request_id, [token], delta, True, "handoff", [logprob] if p.logprobs else None,
+                                phases=phases)
         if reason is not None:
             self.scheduler.finish(req, reason)
             delta += text.flush()
         return RequestEvent(req.request_id, [token], delta, reason is not None, reason,
-                            [logprob] if p.logprobs else None)
+                            [logprob] if p.logprobs else None, phases=phases)
 
     def fail_all(self, reason: str) -> list[RequestEvent]:
         """End every running and waiting request with an error (``reason`` kept in :attr:`errors`)."""

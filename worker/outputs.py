@@ -55,6 +55,9 @@ class RequestEvent:
     logprobs: list[float] | None = None
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)
+    #: on the event of a request's first output token: (seconds it waited in the engine's queue,
+    #: seconds from its first step to that token), as vLLM's request_queue/prefill_time_seconds
+    phases: tuple[float, float] | None = None
 
 
 def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
@@ -63,14 +66,15 @@ def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
     return (tuple(e.request_id for e in events), tuple(e.token_ids for e in events), tuple(e.text for e in events),
             tuple(e.finished for e in events), tuple(e.finish_reason for e in events),
             tuple(e.logprobs for e in events), tuple(e.error for e in events),
-            tuple(None if e.failure is None else e.failure.value for e in events))
+            tuple(None if e.failure is None else e.failure.value for e in events), tuple(e.phases for e in events))
 
 
 def events_from_wire(columns: tuple) -> list[RequestEvent]:
     """The events :func:`events_to_wire` packed."""
-    ids, tokens, texts, finished, reasons, logprobs, errors, failures = columns
-    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k))
-            for i, t, x, f, r, lp, e, k in zip(ids, tokens, texts, finished, reasons, logprobs, errors, failures)]
+    ids, tokens, texts, finished, reasons, logprobs, errors, failures, phases = columns
+    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k), ph)
+            for i, t, x, f, r, lp, e, k, ph in zip(ids, tokens, texts, finished, reasons, logprobs, errors, failures,
+                                                   phases)]
 
 
 def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
@@ -83,7 +87,7 @@ def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
     if any(e.logprobs is not None for e in events):
         logprobs = [lp for e in events for lp in (e.logprobs or ())]
     return replace(last, token_ids=[t for e in events for t in e.token_ids], text="".join(e.text for e in events),
-                   logprobs=logprobs)
+                   logprobs=logprobs, phases=next((e.phases for e in events if e.phases is not None), None))
 
 
 @dataclass(frozen=True)

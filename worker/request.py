@@ -42,6 +42,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when a step first took it from the waiting queue
     first_token_time: float | None = None
 
     @property

@@ -13,6 +13,7 @@ free; a running request that cannot grow preempts the youngest running request.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -110,6 +111,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
         return batch if batch.requests else None
 
