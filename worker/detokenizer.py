@@ -57,7 +57,35 @@ class OutputText:
         return delta
 
 
-class IncrementalDecoder:
+class _StreamDecoder:
+    """What both streaming decoders share: the tokenizer, ``skip_special_tokens``, the text emitted."""
+
+    _tok: TextDecoder
+    _skip: bool
+    _chunks: list[str]
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
+
+    @property
+    def tokenizer(self) -> TextDecoder:
+        return self._tok
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip
+
+    def add(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        """Feed several ids; return the concatenated new text."""
+        return "".join(self.add(t) for t in token_ids)
+
+
+class IncrementalDecoder(_StreamDecoder):
     """Streaming detokenizer: feed generated ids one at a time, get the new text each time.
 
     Text is emitted only once it is stable: while the decoded tail ends with U+FFFD (an
@@ -86,11 +114,6 @@ class IncrementalDecoder:
     def token_ids(self) -> list[int]:
         """Generated ids fed so far (excluding ``prefix_ids``)."""
         return self._ids[self._n_prefix :]
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._chunks)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -124,18 +147,6 @@ class IncrementalDecoder:
         self._ids.append(int(token_id))
         return self._windows()
 
-    @property
-    def tokenizer(self) -> TextDecoder:
-        return self._tok
-
-    @property
-    def skip_special_tokens(self) -> bool:
-        return self._skip
-
-    def extend(self, token_ids: Iterable[int]) -> str:
-        """Feed several ids; return the concatenated new text."""
-        return "".join(self.add(t) for t in token_ids)
-
     def flush(self) -> str:
         """End of stream: return any held-back text (an incomplete character decodes as U+FFFD)."""
         if self._read_offset == len(self._ids):
@@ -143,7 +154,7 @@ class IncrementalDecoder:
         return self._delta(final=True)
 
 
-class ByteLevelDecoder:
+class ByteLevelDecoder(_StreamDecoder):
     """:class:`IncrementalDecoder` for a byte-level tokenizer, from its bytes table
     (:func:`worker.byte_level.byte_level_tables`) instead of calls into the tokenizer: each token
     appends its bytes to what is not yet emitted, and the UTF-8 text of those bytes is emitted once
@@ -165,19 +176,6 @@ class ByteLevelDecoder:
         """Generated ids fed so far."""
         return list(self._ids)
 
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._chunks)
-
-    @property
-    def tokenizer(self) -> TextDecoder:
-        return self._tok
-
-    @property
-    def skip_special_tokens(self) -> bool:
-        return self._skip
-
     def add(self, token_id: int) -> str:
         """Feed one id; return the text that became final (possibly ``""``)."""
         token_id = int(token_id)
@@ -193,10 +191,6 @@ class ByteLevelDecoder:
         self._pending = b""
         self._chunks.append(text)
         return text
-
-    def extend(self, token_ids: Iterable[int]) -> str:
-        """Feed several ids; return the concatenated new text."""
-        return "".join(self.add(t) for t in token_ids)
 
     def flush(self) -> str:
         """End of stream: return any held-back text (an incomplete character decodes as U+FFFD)."""
