@@ -299,8 +299,7 @@ class FleetLoop:
                 final = dataclasses.replace(ev, request_id=fr.request_id, failure=failure)
                 self._end(fr, ev.finish_reason, ev.error, final, failure)
             else:
-                fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs,
-                                        phases=ev.phases))
+                fr.deliver(_progress(fr, ev))
         for engine_id in report.accepted:
             fr = member.assigned.get(engine_id)
             if fr is not None:
@@ -325,7 +324,7 @@ class FleetLoop:
         """``fr`` sampled its first token on prefill group ``member``, which staged its KV: queue its hand-off."""
         del member.assigned[ev.request_id]
         fr.member = None
-        fr.deliver(RequestEvent(fr.request_id, ev.token_ids, ev.text, False, None, ev.logprobs, phases=ev.phases))
+        fr.deliver(_progress(fr, ev))
         staged = report.staged.get(ev.request_id)
         if staged is None or staged.error is not None:
             why = staged.error if staged is not None else "nothing was staged"
@@ -361,3 +360,9 @@ class FleetLoop:
                     "in_flight": len(self.requests), "finished": self.finished, "failed": self.failed}
         with self.health_lock:
             self.health = snapshot
+
+
+def _progress(fr: FleetRequest, ev: RequestEvent) -> RequestEvent:
+    """An engine's event of ``fr`` as its client sees it while it goes on: under its request id, not
+    finished (a hand-off's first token too), everything else as the engine said."""
+    return dataclasses.replace(ev, request_id=fr.request_id, finished=False, finish_reason=None)

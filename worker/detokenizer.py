@@ -9,6 +9,7 @@ stream always equals the final text.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -57,7 +58,7 @@ class OutputText:
         return delta
 
 
-class _StreamDecoder:
+class _StreamDecoder(ABC):
     """What both streaming decoders share: the tokenizer, ``skip_special_tokens``, the text emitted."""
 
     _tok: TextDecoder
@@ -77,8 +78,9 @@ class _StreamDecoder:
     def skip_special_tokens(self) -> bool:
         return self._skip
 
+    @abstractmethod
     def add(self, token_id: int) -> str:
-        raise NotImplementedError
+        """Feed one id; return the text that became final (possibly ``""``)."""
 
     def extend(self, token_ids: Iterable[int]) -> str:
         """Feed several ids; return the concatenated new text."""

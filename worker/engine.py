@@ -265,12 +265,17 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
-        while self.in_flight and not self.scheduler.has_work():
-            self.step()  # read back the step sent for nothing but tokens to drop (async scheduling)
+        self._drain()
         outputs = [self.output(i) for i in ids]
         for i in ids:
             self.release(i)
         return outputs
+
+    def _drain(self) -> None:
+        """With nothing left to schedule, read back the step still in flight (async scheduling): its
+        tokens are dropped, and the pages it held come back now."""
+        while self.in_flight and not self.scheduler.has_work():
+            self.step()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestEvent]:
         """Yield this request's events as the engine steps; closing the iterator aborts it."""
@@ -286,6 +291,5 @@ class Engine:
                     return
         finally:
             self.abort(rid)
-            while self.in_flight and not self.scheduler.has_work():
-                self.step()  # read back the step in flight, so its pages come back now (async scheduling)
+            self._drain()
             self.release(rid)

@@ -55,8 +55,7 @@ class PinnedStaging:
     def stage(self, parts: Sequence[Sequence[int] | np.ndarray]) -> list[torch.Tensor]:
         """Device tensors (1-D, ``dtype``) holding each of ``parts``; queued, not waited for."""
         if not self._pinned:
-            return [torch.as_tensor(np.asarray(p), dtype=self.dtype).to(self.device) if len(p)
-                    else torch.empty(0, dtype=self.dtype, device=self.device) for p in parts]
+            return [torch.as_tensor(np.asarray(p), dtype=self.dtype).to(self.device) for p in parts]
         sizes = [len(p) for p in parts]
         total = sum(sizes)
         host, host_np, dev, event = self._slot(total)
