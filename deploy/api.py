@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
@@ -159,7 +160,13 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         model name."""
         check_auth(request)
         check_ready()
-        prepared = await preprocessor.prepare(route, await request.body(), fleet.prompt_limits)
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            metrics.rejected.labels(reason="client_closed").inc()
+            raise ApiError(499, "the client closed the connection before it sent the whole body",
+                           code="client_closed") from None
+        prepared = await preprocessor.prepare(route, body, fleet.prompt_limits)
         check_model(prepared.request.model)
         return prepared
 

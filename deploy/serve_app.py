@@ -21,7 +21,8 @@ from ray import serve
 # where a module logger's INFO lines would be dropped.
 log = logging.getLogger("ray.serve").getChild("graphfleet")
 
-__all__ = ["OpenAIIngress", "StartingFleet", "app_builder", "build_config", "deployment", "shutdown_options"]
+__all__ = ["OpenAIIngress", "StartingFleet", "app_builder", "build_config", "deployment", "deployment_options",
+           "shutdown_options"]
 
 #: Fleet.start options accepted under the ``fleet`` key of the arguments.
 _FLEET_KEYS = "fleet"
@@ -159,8 +160,14 @@ def shutdown_options(serve_config) -> dict:
             "graceful_shutdown_wait_loop_s": 0.5}
 
 
-# The shutdown options are shutdown_options() of the default serve section; deployment() binds a config's.
-@serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=256,
+def deployment_options(serve_config) -> dict:
+    """The Serve deployment options ``serve_config`` (the ``serve`` section) implies: the shutdown's
+    (:func:`shutdown_options`) and ``max_ongoing_requests``."""
+    return {**shutdown_options(serve_config), "max_ongoing_requests": serve_config.max_ongoing_requests}
+
+
+# These options are deployment_options() of the default serve section; deployment() binds a config's.
+@serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=100_000,
                   graceful_shutdown_timeout_s=60, graceful_shutdown_wait_loop_s=0.5, health_check_period_s=10,
                   health_check_timeout_s=60, ray_actor_options={"num_cpus": 1})
 @serve.ingress()
@@ -169,8 +176,8 @@ class OpenAIIngress:
     keyword options). The fleet starts in the background: until it is up, ``/health`` and the API answer 503.
     The replica loads the checkpoint's tokenizer once (the fleet detokenizes with it); request bodies
     are parsed, tokenized and admitted in its :class:`deploy.preprocess.Preprocessor`'s processes.
-    Bind it with :func:`shutdown_options` (as :func:`deployment` does) so Serve's shutdown budget follows
-    ``serve.drain_timeout_s``."""
+    Bind it with :func:`deployment_options` (as :func:`deployment` does) so Serve's shutdown budget follows
+    ``serve.drain_timeout_s`` and its cap on requests at once ``serve.max_ongoing_requests``."""
 
     def __init__(self, config: dict, fleet_options: dict | None = None) -> None:
         from deploy.config import Config
@@ -191,11 +198,13 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         from deploy.api import build_app
         from deploy.body_limit import BodyLimit
+        from deploy.client_gone import ClientGone
         from deploy.drain import DrainGate
 
         app = build_app(self.fleet, self.tokenizer, self.config, self.preprocessor)
         app.add_middleware(DrainGate, admission=self.admission)
         app.add_middleware(BodyLimit, limit=self.config.serve.max_request_bytes)
+        app.add_middleware(ClientGone)  # outermost: every layer inside reads the disconnect as ASGI says
         return app
 
     async def check_health(self) -> None:
@@ -244,7 +253,7 @@ class OpenAIIngress:
 
 def deployment(config) -> serve.Deployment:
     """:class:`OpenAIIngress` with the Serve options ``config`` (a :class:`deploy.config.Config`) implies."""
-    return OpenAIIngress.options(**shutdown_options(config.serve))
+    return OpenAIIngress.options(**deployment_options(config.serve))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -99,3 +101,35 @@ def scrape(base: str) -> dict[str, list[tuple[dict, float]]]:
 def total(samples: dict, name: str, **match: str) -> float:
     """Sum of the ``name`` samples whose labels include ``match``."""
     return sum(v for labels, v in samples.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
+
+
+#: GET /health every 20 ms on one kept-alive connection until stdin closes; one line per answer:
+#: "<monotonic start> <seconds> <status>". A process of its own, so the test's own threads (stream
+#: readers, senders) cannot delay it.
+_POLL = """
+import http.client, sys, threading, time
+host, port = sys.argv[1], int(sys.argv[2])
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+conn = http.client.HTTPConnection(host, port, timeout=30)
+while not done.is_set():
+    started = time.monotonic()
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    resp.read()
+    print(started, time.monotonic() - started, resp.status, flush=True)
+    time.sleep(0.02)
+"""
+
+
+class HealthPoller:
+    """Polls /health from a process of its own (:data:`_POLL`); ``stop()`` returns (when, seconds, status)s."""
+
+    def __init__(self, base: str) -> None:
+        host, port = base.removeprefix("http://").split(":")
+        self.proc = subprocess.Popen([sys.executable, "-c", _POLL, host, str(port)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[tuple[float, float, int]]:
+        out, _ = self.proc.communicate(input="", timeout=30)
+        return [(float(a), float(b), int(c)) for a, b, c in (line.split() for line in out.splitlines())]

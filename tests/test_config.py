@@ -182,6 +182,15 @@ def test_engine_config_carries_the_prefill_ceiling_check():
         EngineConfig.from_dict({"graphs": {"prefill": {"max_tokens": 4096}}})
 
 
+def test_serves_cap_must_exceed_the_fleets_queue():
+    msg = error_of(None, ["serve.max_ongoing_requests=4096"])
+    assert msg.startswith("serve.max_ongoing_requests: 4096 must exceed scheduler.max_waiting_requests (4096)")
+    assert "its proxy retries them in a loop instead of answering 429" in msg
+    cfg = load_config(None, ["serve.max_ongoing_requests=300", "scheduler.max_waiting_requests=64"])
+    assert (cfg.serve.max_ongoing_requests, cfg.scheduler.max_waiting_requests) == (300, 64)
+    assert error_of(None, ["serve.max_ongoing_requests=0"]).startswith("serve.max_ongoing_requests: must be >= 1")
+
+
 def test_prefill_graph_ceiling_ignored_without_prefill_graphs():
     cfg = load_config(None, ["graphs.prefill.max_tokens=4096", "graphs.capture=decode"])
     assert cfg.graphs.prefill.max_tokens == 4096

@@ -185,6 +185,7 @@ def test_shutdown_follows_the_drain_timeout(case, drain_timeout, tmp_path):
     (rayservice,) = by_kind(docs, "RayService")
     [deployment] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["deployments"]
     assert deployment["graceful_shutdown_timeout_s"] == budget
+    assert deployment["max_ongoing_requests"] == values["config"]["serve"]["max_ongoing_requests"] == 100_000
     spec = rayservice["spec"]["rayClusterConfig"]
     pods = {"head": spec["headGroupSpec"]["template"]["spec"]}
     pods.update({g["groupName"]: g["template"]["spec"] for g in spec["workerGroupSpecs"]})

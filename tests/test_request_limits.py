@@ -33,7 +33,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.serve_harness import OVERRIDES, start_local_serve
+from tests.serve_harness import OVERRIDES, HealthPoller, start_local_serve
 from tests.serve_harness import http as _http
 
 STREAMS = 16
@@ -126,38 +126,6 @@ class _Streams:
         return [json.loads(line) for line in out.splitlines()]
 
 
-#: GET /health every 20 ms on one kept-alive connection until stdin closes; one line per answer:
-#: "<monotonic start> <seconds> <status>". A process of its own, so the test's own threads (16 stream
-#: readers, a 64 MiB sender) cannot delay it.
-_POLL = """
-import http.client, sys, threading, time
-host, port = sys.argv[1], int(sys.argv[2])
-done = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-conn = http.client.HTTPConnection(host, port, timeout=30)
-while not done.is_set():
-    started = time.monotonic()
-    conn.request("GET", "/health")
-    resp = conn.getresponse()
-    resp.read()
-    print(started, time.monotonic() - started, resp.status, flush=True)
-    time.sleep(0.02)
-"""
-
-
-class _HealthPoller:
-    """Polls /health from a process of its own (:data:`_POLL`); ``stop()`` returns (when, seconds, status)s."""
-
-    def __init__(self, base: str) -> None:
-        host, port = _host_port(base)
-        self.proc = subprocess.Popen([sys.executable, "-c", _POLL, host, str(port)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-
-    def stop(self) -> list[tuple[float, float, int]]:
-        out, _ = self.proc.communicate(input="", timeout=30)
-        return [(float(a), float(b), int(c)) for a, b, c in (line.split() for line in out.splitlines())]
-
-
 def _raw_post(base: str, body: bytes | int, chunked: bool = False) -> tuple[int, dict, float]:
     """POST ``body`` (or that many spaces) on a raw socket, with a Content-Length or ``chunked`` in 1 MiB
     chunks, sending it on a thread while the answer is read (a server that answers before reading the
@@ -215,7 +183,7 @@ def test_hostile_bodies_are_refused_at_once_while_16_streams_run(base):
     word = json.dumps({"model": "tiny", "prompt": "x" * 10_000_000, "max_tokens": 4}).encode()
     ids = json.dumps({"model": "tiny", "prompt": [7] * 5_000_000, "max_tokens": 4}).encode()  # 15 MiB
     assert len(ids) < LIMIT
-    poller = _HealthPoller(base)
+    poller = HealthPoller(base)
     readers = _Streams(base)
     readers.wait_ready()
 

@@ -585,6 +585,19 @@ def test_serves_shutdown_budget_follows_the_drain_timeout(path):
     assert OpenAIIngress._deployment_config.graceful_shutdown_timeout_s == 30.0 + SHUTDOWN_MARGIN_S
 
 
+def test_serves_cap_on_requests_at_once_is_the_configs(path):
+    """Serve's max_ongoing_requests is serve.max_ongoing_requests (its default far above the fleet's queue:
+    an overload must meet the fleet's 429, not Serve's rejection and its proxy's retry loop)."""
+    from deploy.serve_app import OpenAIIngress, build_config, deployment
+
+    default = build_config({"model": str(path)})
+    assert deployment(default)._deployment_config.max_ongoing_requests == default.serve.max_ongoing_requests
+    assert default.serve.max_ongoing_requests > 10 * default.scheduler.max_waiting_requests
+    assert OpenAIIngress._deployment_config.max_ongoing_requests == default.serve.max_ongoing_requests
+    small = build_config({"model": str(path), "overrides": ["serve.max_ongoing_requests=600"]})
+    assert deployment(small)._deployment_config.max_ongoing_requests == 600
+
+
 def test_cli_serve_parses():
     from deploy.cli import build_parser
 

@@ -50,6 +50,12 @@ class ServeConfig(Section):
         body, and that body's 400 from 147-209 to 74 ms. A joined cluster (``--ray-address``)
         decides this in its own environment (``RAY_SERVE_ENABLE_DIRECT_INGRESS``), and the Helm
         chart's Service targets the proxy: both serve through the proxy whatever this says.
+    max_ongoing_requests: Ray Serve's ``max_ongoing_requests`` of the API replica: the requests it
+        takes at once, streams included, before Serve refuses the next one and its proxy retries it
+        in a loop (health checks wait in that loop too). It must exceed
+        ``scheduler.max_waiting_requests``, so that an overload meets the fleet's own admission (429
+        with ``Retry-After``, at once) long before Serve's; Ray Serve LLM sets it to 1e9 for the same
+        reason. The Helm chart renders it into the deployment.
     """
 
     host: str = "127.0.0.1"
@@ -64,6 +70,7 @@ class ServeConfig(Section):
     max_request_bytes: int = 16 * 1024 * 1024
     preprocess_workers: int = 2
     direct_ingress: bool = True
+    max_ongoing_requests: int = 100_000
 
     def __post_init__(self) -> None:
         check(bool(self.host), "host", "must not be empty")
@@ -83,6 +90,8 @@ class ServeConfig(Section):
         check(m >= 1024, "max_request_bytes", f"must be >= 1024, got {m!r}")
         w = self.preprocess_workers
         check(1 <= w <= 64, "preprocess_workers", f"must be in 1..64, got {w!r}")
+        o = self.max_ongoing_requests
+        check(o >= 1, "max_ongoing_requests", f"must be >= 1, got {o!r}")
 
 
 @dataclass(frozen=True)
@@ -95,3 +104,10 @@ class Config(GroupConfig):
     """
 
     serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ongoing, waiting = self.serve.max_ongoing_requests, self.scheduler.max_waiting_requests
+        check(ongoing > waiting, "serve.max_ongoing_requests",
+              f"{ongoing} must exceed scheduler.max_waiting_requests ({waiting}): beyond it Ray Serve, not the "
+              "fleet, refuses requests, and its proxy retries them in a loop instead of answering 429")
