@@ -4,7 +4,8 @@ One invocation serves the checkpoint with ``vllm serve`` (vLLM's OpenAI API serv
 own site directory in a process of its own: its pins differ from ours), sends it the load of
 ``bench/serve.py`` (``--num-prompts`` random-token prompts per rate of ``--rates``, Poisson
 arrivals, streamed, ``--input-len`` in and ``--output-len`` out, the same seeds), stops it, then
-starts graphfleet's app on the same checkpoint and sends it the same prompts; our clients talk to
+starts graphfleet's app on the same checkpoint and sends it the same prompts (``--overlap-start``:
+both start at once, saving the shorter start-up, and are loaded one after the other); our clients talk to
 the ingress replica's own HTTP server as under ``graphfleet serve`` (``--proxy``: through Serve's
 proxy, the Helm chart's path). Output tokens/s,
 TTFT, TPOT and ITL per rate go side by side with graphfleet over vLLM. A peer that fails to start
@@ -56,63 +57,121 @@ def run_rates(base: str, args: argparse.Namespace, vocab: int) -> list[dict]:
     return rows
 
 
-def vllm_rows(path: Path, args: argparse.Namespace, vocab: int) -> tuple[list[dict] | None, str | None, float]:
-    """vLLM's rows, or why there are none; and the seconds its server took to be ready."""
-    site = Path(args.vllm_site)
-    if not (site / "vllm").is_dir():
-        return None, f"vLLM is not installed in {site} (stage it with stage-wheels --set vllm)", 0.0
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | VLLM_ENV | {"PYTHONPATH": str(site)}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
-           "--port", str(port), "--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization),
-           "--max-model-len", str(args.max_model_len), *args.vllm_arg]
-    log = open(Path(os.environ.get("OUT") or "/tmp") / "vllm-server.log", "w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                return None, f"vllm serve exited with {proc.returncode} before it was ready (see vllm-server.log)", 0.0
-            if time.monotonic() - t0 > args.start_timeout_s:
-                return None, f"vllm serve was not ready within {args.start_timeout_s} s", 0.0
-            try:
-                if _get(f"{base}/health", timeout=2.0)[0] == 200:
-                    break
-            except OSError:
-                pass
+class VllmServer:
+    """``vllm serve`` on ``path`` in a process (group) of its own, started at construction."""
+
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        self.error: str | None = None
+        self.proc = None
+        self.t0 = time.monotonic()
+        site = Path(args.vllm_site)
+        if not (site / "vllm").is_dir():
+            self.error = f"vLLM is not installed in {site} (stage it with stage-wheels --set vllm)"
+            return
+        port = _free_port()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | VLLM_ENV | {"PYTHONPATH": str(site)}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host",
+               "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization),
+               "--max-model-len", str(args.max_model_len), *args.vllm_arg]
+        self.log = open(Path(os.environ.get("OUT") or "/tmp") / "vllm-server.log", "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.base = f"http://127.0.0.1:{port}"
+        self.timeout_s = args.start_timeout_s
+
+    def wait_profiled(self) -> None:
+        """Wait until vLLM has sized its KV cache (its log's "GPU KV cache size"), is healthy, has failed or
+        has timed out: another server may allocate GPU memory after that without shrinking vLLM's share
+        (vLLM counts memory others take while it profiles as its own)."""
+        while self.error is None and self.proc.poll() is None and time.monotonic() - self.t0 < self.timeout_s:
+            self.log.flush()
+            if "GPU KV cache size" in Path(self.log.name).read_text(errors="replace"):
+                return
             time.sleep(1.0)
-        ready_s = time.monotonic() - t0
+
+    def wait_ready(self) -> float:
+        """Seconds from start to a healthy server; sets :attr:`error` (and returns 0) if it never is."""
+        while self.error is None:
+            if self.proc.poll() is not None:
+                self.error = f"vllm serve exited with {self.proc.returncode} before it was ready (see vllm-server.log)"
+            elif time.monotonic() - self.t0 > self.timeout_s:
+                self.error = f"vllm serve was not ready within {self.timeout_s} s"
+            else:
+                try:
+                    if _get(f"{self.base}/health", timeout=2.0)[0] == 200:
+                        return time.monotonic() - self.t0
+                except OSError:
+                    pass
+                time.sleep(1.0)
+        return 0.0
+
+    def stop(self) -> None:
+        """Stop it (its GPU memory share goes with it)."""
+        if self.proc is None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            return run_rates(base, args, vocab), None, ready_s
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        self.proc = None
+
+
+def vllm_rows(server: VllmServer, args: argparse.Namespace, vocab: int) -> tuple[list[dict] | None, str | None, float]:
+    """vLLM's rows from ``server`` (stopped afterwards), or why there are none; and its seconds to ready."""
+    try:
+        ready_s = server.wait_ready()
+        if server.error:
+            return None, server.error, ready_s
+        try:
+            return run_rates(server.base, args, vocab), None, ready_s
         except Exception as e:  # noqa: BLE001 - a failed peer is a row with its error
             return None, f"load against vllm serve failed: {type(e).__name__}: {e}", ready_s
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        server.stop()
+
+
+class GraphfleetApp:
+    """graphfleet's Serve app on ``path``, started at construction (Ray and Serve in this process)."""
+
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        self.t0, self.error, self.base = time.monotonic(), None, None
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+            cpu = [] if torch.cuda.is_available() else list(CPU_OVERRIDES)
+            self.base = start_app(path, [*cpu, f"cluster.mode={args.mode}", *args.set], args.preset,
+                                  direct_ingress=not args.proxy)
+        except Exception as e:  # noqa: BLE001 - reported as the row's error
+            self.error = f"{type(e).__name__}: {e}"
+        self.timeout_s = args.start_timeout_s
 
+    def wait_ready(self) -> float:
+        if self.error is None:
+            try:
+                wait_healthy(self.base, self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - reported as the row's error
+                self.error = f"{type(e).__name__}: {e}"
+        return time.monotonic() - self.t0
 
-def graphfleet_rows(path: Path, args: argparse.Namespace, vocab: int) -> tuple[list[dict] | None, str | None, float]:
-    """graphfleet's rows (its Serve app on ``path``), or why there are none; and its seconds to ready."""
-    from ray import serve
+    def stop(self) -> None:
+        from ray import serve
 
-    t0 = time.monotonic()
-    try:
-        cpu = [] if torch.cuda.is_available() else list(CPU_OVERRIDES)
-        base = start_app(path, [*cpu, f"cluster.mode={args.mode}", *args.set], args.preset,
-                         direct_ingress=not args.proxy)
-        wait_healthy(base, args.start_timeout_s)
-        ready_s = time.monotonic() - t0
-        return run_rates(base, args, vocab), None, ready_s
-    except Exception as e:  # noqa: BLE001 - reported as the row's error
-        return None, f"{type(e).__name__}: {e}", time.monotonic() - t0
-    finally:
         serve.shutdown()
+
+
+def graphfleet_rows(app: GraphfleetApp, args: argparse.Namespace, vocab: int
+                    ) -> tuple[list[dict] | None, str | None, float]:
+    """graphfleet's rows from ``app`` (shut down afterwards), or why there are none; and its seconds to ready."""
+    try:
+        ready_s = app.wait_ready()
+        if app.error:
+            return None, app.error, ready_s
+        try:
+            return run_rates(app.base, args, vocab), None, ready_s
+        except Exception as e:  # noqa: BLE001 - reported as the row's error
+            return None, f"{type(e).__name__}: {e}", ready_s
+    finally:
+        app.stop()
 
 
 def main() -> None:
@@ -133,6 +192,10 @@ def main() -> None:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vllm serve argument (repeatable)")
     ap.add_argument("--peers", default="vllm,graphfleet", help="which servers to run, in order")
+    ap.add_argument("--overlap-start", action="store_true",
+                    help="start the servers together (graphfleet's once vLLM has sized its KV cache; give each a "
+                         "memory share: --set cache.gpu_memory_fraction=0.4 --vllm-gpu-memory-utilization 0.45), "
+                         "then load them one after the other")
     ap.add_argument("--proxy", action="store_true",
                     help="our clients go through Serve's proxy (the Helm chart's path) instead of talking to the "
                          "ingress replica's own HTTP server (direct ingress, what `graphfleet serve` does by default)")
@@ -141,10 +204,21 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    peers = args.peers.split(",")
+    starters = {"vllm": VllmServer, "graphfleet": GraphfleetApp}
     runners = {"vllm": vllm_rows, "graphfleet": graphfleet_rows}
+    # --overlap-start: every server starts now (the next once vLLM has sized its KV cache) and the loads run
+    # one after the other, each while the other server idles (holding GPU memory, not compute); else each
+    # server starts after the last one stopped.
+    started = {}
+    for peer in peers if args.overlap_start else ():
+        started[peer] = starters[peer](path, args)
+        if isinstance(started[peer], VllmServer) and started[peer].proc is not None:
+            started[peer].wait_profiled()
     results = {}
-    for peer in args.peers.split(","):
-        rows, error, ready_s = runners[peer](path, args, vocab)
+    for peer in peers:
+        server = started.get(peer) or starters[peer](path, args)
+        rows, error, ready_s = runners[peer](server, args, vocab)
         results[peer] = {"rows": rows, "error": error, "ready_s": ready_s}
         print(f"{peer}: ready in {ready_s:.0f} s" + (f"; error: {error}" if error else ""))
         if rows:
