@@ -118,20 +118,6 @@ class VllmServer:
         self.proc = None
 
 
-def vllm_rows(server: VllmServer, args: argparse.Namespace, vocab: int) -> tuple[list[dict] | None, str | None, float]:
-    """vLLM's rows from ``server`` (stopped afterwards), or why there are none; and its seconds to ready."""
-    try:
-        ready_s = server.wait_ready()
-        if server.error:
-            return None, server.error, ready_s
-        try:
-            return run_rates(server.base, args, vocab), None, ready_s
-        except Exception as e:  # noqa: BLE001 - a failed peer is a row with its error
-            return None, f"load against vllm serve failed: {type(e).__name__}: {e}", ready_s
-    finally:
-        server.stop()
-
-
 class GraphfleetApp:
     """graphfleet's Serve app on ``path``, started at construction (Ray and Serve in this process)."""
 
@@ -159,19 +145,19 @@ class GraphfleetApp:
         serve.shutdown()
 
 
-def graphfleet_rows(app: GraphfleetApp, args: argparse.Namespace, vocab: int
-                    ) -> tuple[list[dict] | None, str | None, float]:
-    """graphfleet's rows from ``app`` (shut down afterwards), or why there are none; and its seconds to ready."""
+def peer_rows(server: VllmServer | GraphfleetApp, args: argparse.Namespace, vocab: int
+              ) -> tuple[list[dict] | None, str | None, float]:
+    """The rows of ``server`` (stopped afterwards), or why there are none; and its seconds to ready."""
     try:
-        ready_s = app.wait_ready()
-        if app.error:
-            return None, app.error, ready_s
+        ready_s = server.wait_ready()
+        if server.error:
+            return None, server.error, ready_s
         try:
-            return run_rates(app.base, args, vocab), None, ready_s
-        except Exception as e:  # noqa: BLE001 - reported as the row's error
-            return None, f"{type(e).__name__}: {e}", ready_s
+            return run_rates(server.base, args, vocab), None, ready_s
+        except Exception as e:  # noqa: BLE001 - a failed peer is a row with its error
+            return None, f"load against {type(server).__name__} failed: {type(e).__name__}: {e}", ready_s
     finally:
-        app.stop()
+        server.stop()
 
 
 def main() -> None:
@@ -206,7 +192,6 @@ def main() -> None:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     peers = args.peers.split(",")
     starters = {"vllm": VllmServer, "graphfleet": GraphfleetApp}
-    runners = {"vllm": vllm_rows, "graphfleet": graphfleet_rows}
     # --overlap-start: every server starts now (the next once vLLM has sized its KV cache) and the loads run
     # one after the other, each while the other server idles (holding GPU memory, not compute); else each
     # server starts after the last one stopped.
@@ -218,7 +203,7 @@ def main() -> None:
     results = {}
     for peer in peers:
         server = started.get(peer) or starters[peer](path, args)
-        rows, error, ready_s = runners[peer](server, args, vocab)
+        rows, error, ready_s = peer_rows(server, args, vocab)
         results[peer] = {"rows": rows, "error": error, "ready_s": ready_s}
         print(f"{peer}: ready in {ready_s:.0f} s" + (f"; error: {error}" if error else ""))
         if rows:
