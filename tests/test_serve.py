@@ -594,8 +594,8 @@ def test_serves_cap_on_requests_at_once_is_the_configs(path):
     assert deployment(default)._deployment_config.max_ongoing_requests == default.serve.max_ongoing_requests
     assert default.serve.max_ongoing_requests > 10 * default.scheduler.max_waiting_requests
     assert OpenAIIngress._deployment_config.max_ongoing_requests == default.serve.max_ongoing_requests
-    small = build_config({"model": str(path), "overrides": ["serve.max_ongoing_requests=600"]})
-    assert deployment(small)._deployment_config.max_ongoing_requests == 600
+    small = build_config({"model": str(path), "overrides": ["serve.max_ongoing_requests=6000"]})
+    assert deployment(small)._deployment_config.max_ongoing_requests == 6000
 
 
 def test_cli_serve_parses():
