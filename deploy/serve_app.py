@@ -21,8 +21,7 @@ from ray import serve
 # where a module logger's INFO lines would be dropped.
 log = logging.getLogger("ray.serve").getChild("graphfleet")
 
-__all__ = ["OpenAIIngress", "StartingFleet", "app_builder", "build_config", "deployment", "deployment_options",
-           "shutdown_options"]
+__all__ = ["OpenAIIngress", "StartingFleet", "app_builder", "build_config", "deployment", "deployment_options"]
 
 #: Fleet.start options accepted under the ``fleet`` key of the arguments.
 _FLEET_KEYS = "fleet"
@@ -152,18 +151,13 @@ SHUTDOWN_MARGIN_S = 30.0
 RESPONSE_FLUSH_S = 5.0
 
 
-def shutdown_options(serve_config) -> dict:
-    """The Serve deployment options of a replica's shutdown under ``serve_config`` (the ``serve`` section):
-    ``graceful_shutdown_timeout_s`` = ``drain_timeout_s`` + ``SHUTDOWN_MARGIN_S`` (Serve force-kills a replica
-    after it), and a short ``graceful_shutdown_wait_loop_s`` (Serve sleeps one loop before it calls ``__del__``)."""
-    return {"graceful_shutdown_timeout_s": serve_config.drain_timeout_s + SHUTDOWN_MARGIN_S,
-            "graceful_shutdown_wait_loop_s": 0.5}
-
-
 def deployment_options(serve_config) -> dict:
-    """The Serve deployment options ``serve_config`` (the ``serve`` section) implies: the shutdown's
-    (:func:`shutdown_options`) and ``max_ongoing_requests``."""
-    return {**shutdown_options(serve_config), "max_ongoing_requests": serve_config.max_ongoing_requests}
+    """The Serve deployment options ``serve_config`` (the ``serve`` section) implies:
+    ``graceful_shutdown_timeout_s`` = ``drain_timeout_s`` + ``SHUTDOWN_MARGIN_S`` (Serve force-kills a replica
+    after it), a short ``graceful_shutdown_wait_loop_s`` (Serve sleeps one loop before it calls ``__del__``),
+    and ``max_ongoing_requests``."""
+    return {"graceful_shutdown_timeout_s": serve_config.drain_timeout_s + SHUTDOWN_MARGIN_S,
+            "graceful_shutdown_wait_loop_s": 0.5, "max_ongoing_requests": serve_config.max_ongoing_requests}
 
 
 # These options are deployment_options() of the default serve section; deployment() binds a config's.

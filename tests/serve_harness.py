@@ -49,6 +49,12 @@ def start_local_serve(args: dict, app_name: str, num_cpus: int = 16, direct_ingr
     return base
 
 
+def host_port(base: str) -> tuple[str, int]:
+    """(host, port) of a base URL ``http://host:port``."""
+    host, port = base.removeprefix("http://").split(":")
+    return host, int(port)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,7 +132,7 @@ class HealthPoller:
     """Polls /health from a process of its own (:data:`_POLL`); ``stop()`` returns (when, seconds, status)s."""
 
     def __init__(self, base: str) -> None:
-        host, port = base.removeprefix("http://").split(":")
+        host, port = host_port(base)
         self.proc = subprocess.Popen([sys.executable, "-c", _POLL, host, str(port)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 

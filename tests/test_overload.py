@@ -29,7 +29,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.serve_harness import OVERRIDES, HealthPoller, scrape, start_local_serve, total
+from tests.serve_harness import OVERRIDES, HealthPoller, host_port, scrape, start_local_serve, total
 from tests.serve_harness import http as _http
 
 BURST = 320  # above Serve's old cap of 256 requests at once on the replica
@@ -95,8 +95,8 @@ def _closed(base: str) -> float:
 
 def test_a_client_gone_before_its_body_is_a_quiet_499(base):
     before = _closed(base)
-    host, port = base.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    host, port = host_port(base)
+    with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: 100000\r\n\r\n".encode() + b'{"model": "tiny", "prompt": "')
         time.sleep(0.5)  # the proxy has handed the request to the replica, which waits for the body

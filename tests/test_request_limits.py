@@ -33,7 +33,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.serve_harness import OVERRIDES, HealthPoller, start_local_serve
+from tests.serve_harness import OVERRIDES, HealthPoller, host_port, start_local_serve
 from tests.serve_harness import http as _http
 
 STREAMS = 16
@@ -56,11 +56,6 @@ def base(checkpoint_dir):
     yield url
     serve.shutdown()
     ray.shutdown()
-
-
-def _host_port(base: str) -> tuple[str, int]:
-    host, port = base.removeprefix("http://").split(":")
-    return host, int(port)
 
 
 #: ``STREAMS`` streamed completions, read by one asyncio loop in a process of its own, so neither the
@@ -114,7 +109,7 @@ class _Streams:
     """:data:`_READ_STREAMS` in a process of its own: ``wait_ready()``, then ``results()``."""
 
     def __init__(self, base: str, min_chunks: int = 20) -> None:
-        host, port = _host_port(base)
+        host, port = host_port(base)
         self.proc = subprocess.Popen([sys.executable, "-c", _READ_STREAMS, host, str(port), str(STREAMS),
                                       str(STREAM_TOKENS), str(min_chunks)], stdout=subprocess.PIPE, text=True)
 
@@ -132,7 +127,7 @@ def _raw_post(base: str, body: bytes | int, chunked: bool = False) -> tuple[int,
     body may reset the connection mid-send). Returns the status, the JSON body and the seconds from the
     first byte sent to the whole answer read."""
     size = body if isinstance(body, int) else len(body)
-    sock = socket.create_connection(_host_port(base), timeout=30)
+    sock = socket.create_connection(host_port(base), timeout=30)
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {base.removeprefix('http://')}\r\n"
             f"Content-Type: application/json\r\n{framing}\r\nConnection: close\r\n\r\n").encode()

@@ -18,7 +18,7 @@ from ray import serve
 
 from deploy.config import load_config
 from deploy.serve_app import app_builder
-from tests.serve_harness import OVERRIDES, scrape, start_local_serve, total, wait_healthy
+from tests.serve_harness import OVERRIDES, host_port, scrape, start_local_serve, total, wait_healthy
 from tests.serve_harness import http as _http
 from worker.engine import Engine
 from worker.sampling.params import SamplingParams
@@ -272,7 +272,7 @@ def test_client_disconnect_aborts_stream(server):
 
     models = _http("GET", f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})[1]
     max_tokens = models["data"][0]["max_model_len"] - 8
-    host, port = server.removeprefix("http://").split(":")
+    host, port = host_port(server)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": max_tokens,
                                                         "stream": True, "ignore_eos": True}),
@@ -298,7 +298,7 @@ class _OpenStream:
         import http.client
         import threading
 
-        host, port = server.removeprefix("http://").split(":")
+        host, port = host_port(server)
         self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
         self.conn.request("POST", f"{prefix}/v1/completions",
                           json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": max_tokens, "stream": True,
@@ -551,7 +551,7 @@ def test_serves_own_replica_shutdown_waits_for_the_stream_then_drains_in_del(ser
     app = app_builder({"model": str(path), "overrides": OVERRIDES, "model_name": "tiny", "fleet": {"name": "bye"}})
     serve.run(app, name="graphfleet-bye", route_prefix="/bye", blocking=False)
     wait_healthy(f"{server}/bye")
-    host, port = server.removeprefix("http://").split(":")
+    host, port = host_port(server)
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/bye/v1/completions", json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 200,
                                                             "stream": True, "ignore_eos": True}),

@@ -37,7 +37,7 @@ class ServeConfig(Section):
     drain_timeout_s: on shutdown (SIGTERM to ``graphfleet serve``, the Helm chart's preStop, Serve's
         replica shutdown) new requests get 503 and those in flight may run this long before they end
         with finish_reason "abort" (>= 0). Serve's ``graceful_shutdown_timeout_s`` and the pods'
-        termination grace period follow it (:func:`deploy.serve_app.shutdown_options`, the chart).
+        termination grace period follow it (:func:`deploy.serve_app.deployment_options`, the chart).
     max_request_bytes: a request body over this many bytes gets 413 before any of it is read or parsed
         (>= 1024; default 16 MiB).
     preprocess_workers: processes that turn request bodies into admitted prompts (parse the JSON, render
