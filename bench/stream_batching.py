@@ -5,7 +5,7 @@ One run: the in-process engine's decode step at ``--batch`` requests, then for e
 streamed completions sent at once, and from /proc the CPU seconds per output token, while they
 ran, of the Serve replica's HTTP side (every thread but the fleet's: the API, streaming, Serve's
 request handling), of its fleet threads (the fleet loop: routing and delivering events; each
-group's report receiver), of the group's engine loop thread on its leader rank (scheduling, the
+group's report receiver and rank watcher), of the group's engine loop thread on its leader rank (scheduling, the
 step's launch, waiting on it, detokenizing) and of the rest of that rank process, and of
 Serve's HTTP proxy. The apps run one
 after the other (each is deleted before the next starts), so they never share the device.
@@ -71,7 +71,7 @@ def measure(base: str, app: str, args: argparse.Namespace, vocab: int, in_proces
     before = {k: threads_cpu_s(t) for k, t in titles.items()}
     records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, float("inf"), args.seed))
     after = {k: threads_cpu_s(t) for k, t in titles.items()}
-    loop_s, serving_s = cpu_split(before["replica"], after["replica"], "graphfleet-loop", "reports-")
+    loop_s, serving_s = cpu_split(before["replica"], after["replica"], "graphfleet-loop", "reports-", "loops-")
     proxy_s = sum(cpu_split(before["proxy"], after["proxy"]))
     engine_s, rank_rest_s = cpu_split(before["rank"], after["rank"], "engine-loop")
     stats = summarize(records, duration, None, None)

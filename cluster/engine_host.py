@@ -7,9 +7,10 @@ engine only through two queues:
 
 - *commands in*: numbered batches (:class:`cluster.group_messages.Admit`, ``Prefilled``, ``Abort``)
   put by a Ray call on a thread of their own, applied by the loop in number order between steps;
-- *reports out*: what the loop did since the last poll (:class:`cluster.group_messages.GroupReport`),
-  taken by the fleet's long poll on another thread; one poll answer carries every step done since
-  the previous one, so the fleet never sees more than one message per step.
+- *reports out*: what the loop did since the last take (:class:`cluster.group_messages.GroupReport`),
+  taken by the report link's thread (:mod:`cluster.report_link`) and sent to the fleet; one report
+  carries every step done since the previous one, so the fleet never sees more than one message
+  per step.
 
 One thread (the loop) owns the engine. A thread waiting for work or for a report sleeps on a
 condition; nothing polls. An exception from a step ends the loop: the group is dead, and the
@@ -81,6 +82,11 @@ class EngineHost:
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
             return report
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (a report taken after it is the last)."""
+        return self._stopping
 
     def stop(self) -> None:
         with self._cond:

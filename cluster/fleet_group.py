@@ -38,7 +38,8 @@ class FleetWorkerGroup(WorkerGroup):
             self._start_engine(gen)
 
     def _start_engine(self, gen: RankGeneration) -> None:
-        ray.get(gen.leader.start_engine.remote(self._engine_max_len), timeout=self.config.cluster.start_timeout_s)
+        gen.report_address = ray.get(gen.leader.start_engine.remote(self._engine_max_len),
+                                     timeout=self.config.cluster.start_timeout_s)
         gen.engine_loop = gen.leader.serve_engine.remote()
         gen.loops.append(gen.engine_loop)
 

@@ -2,7 +2,8 @@
 and moves KV pages.
 
 The leader's engine loop (:mod:`cluster.engine_host`) runs on the ``loop`` thread; the fleet's
-command batches and report polls arrive on threads of their own (``engine_in``, ``engine_out``).
+command batches arrive as Ray calls on a thread of their own (``engine_in``), and the loop's reports
+leave over the generation's report link (:mod:`cluster.report_link`), not through Ray.
 Staging and importing KV run on every rank in the order of the leader's steps (each rank hands
 over its own shard of the KV heads; see :mod:`worker.kv_pages` for the page layout); the staged
 copies then leave through Ray calls on the default thread.
@@ -22,6 +23,7 @@ import torch
 from cluster.engine_host import EngineHost
 from cluster.kv_transport import resolve_shards
 from cluster.rank_actor import RankActor
+from cluster.report_link import LinkAddress, ReportServer
 
 #: How long a call for a staged copy waits for the rank's loop to have made it.
 STAGED_WAIT_S = 60.0
@@ -36,11 +38,10 @@ class FleetRankActor(RankActor):
     ``share_staged``, ``p2p_send``), which wait until this rank's loop has made its copy.
     """
 
-    #: ``engine_in``/``engine_out``: the fleet's command batches and report polls (one thread each,
-    #: so batches arrive in order and a poll never waits behind a command). Point-to-point opens,
+    #: ``engine_in``: the fleet's command batches (one thread, so batches arrive in order). Point-to-point opens,
     #: sends and receives run on threads of their own: one blocked on a dead peer (until its pair's
     #: timeout) must not hold up staging, imports, shutdown, or the transfers of newer pairs.
-    concurrency_groups = {"loop": 1, "engine_in": 1, "engine_out": 1, "kv_p2p": 4}
+    concurrency_groups = {"loop": 1, "engine_in": 1, "kv_p2p": 4}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -49,13 +50,18 @@ class FleetRankActor(RankActor):
         self._pairs: dict[str, tuple] = {}  # pair id -> (process group, store, peer rank)
         self._pair_stores: dict[int, object] = {}  # port -> a pair's store opened by pair_address, not yet joined
         self.host: EngineHost | None = None
+        self.reports: ReportServer | None = None
 
     # ----- the group's engine (leader) -----
 
-    def start_engine(self, max_model_len: int) -> None:
-        """Build this generation's engine (after capture), stopping sequences at ``max_model_len``."""
-        self.host = EngineHost(self.config, self.executor, self.info.role, max_model_len, self._stage_local,
-                               resolve_shards, self._import_local)
+    def start_engine(self, max_model_len: int) -> LinkAddress:
+        """Build this generation's engine (after capture), stopping sequences at ``max_model_len``;
+        returns where its reports can be read (one client, see :mod:`cluster.report_link`)."""
+        self.host = host = EngineHost(self.config, self.executor, self.info.role, max_model_len, self._stage_local,
+                                      resolve_shards, self._import_local)
+        self.reports = ReportServer(ray.util.get_node_ip_address(), host.take_report, lambda: host.stopping)
+        self.reports.start()
+        return self.reports.address
 
     @ray.method(concurrency_group="loop")
     def serve_engine(self) -> None:
@@ -66,11 +72,6 @@ class FleetRankActor(RankActor):
     def engine_commands(self, number: int, commands: list) -> None:
         self.host.put(number, commands)
 
-    @ray.method(concurrency_group="engine_out")
-    def engine_events(self, wait_s: float):
-        """The engine's :class:`cluster.group_messages.GroupReport` since the last call (waits up to ``wait_s``)."""
-        return self.host.take_report(wait_s)
-
     def shutdown(self) -> None:
         if self.host is not None:
             self.host.stop()
@@ -79,6 +80,8 @@ class FleetRankActor(RankActor):
                 time.sleep(0.01)
             if self.host.running:  # stuck in a step: its thread may still use the channel, so no stop order
                 self.executor = None
+        if self.reports is not None:
+            self.reports.close()
         super().shutdown()
 
     # ----- KV pages -----

@@ -36,6 +36,7 @@ class RankGeneration:
         self.pg = None
         self.loops: list = []
         self.engine_loop = None  #: a fleet leader's engine loop (one of ``loops``), once started
+        self.report_address = None  #: where a fleet leader's reports are read (:mod:`cluster.report_link`)
 
     def start(self, on_state, fixed_pages: int | None = None,
               cancelled: Callable[[], bool] = lambda: False) -> tuple[object, int, int]:
@@ -138,11 +139,24 @@ class RankGeneration:
         if not ready:
             raise GetTimeoutError(f"not done after {timeout_s:g}s")
         if ready[0] is not ref:
-            loop = ready[0]
-            ray.get(loop)
-            rank = 0 if loop is self.engine_loop else self.loops.index(loop) + 1
-            raise RayActorError(f"rank {rank}'s loop ended while its generation was live")
+            self._raise_ended(ready[0])
         return ray.get(ref)
+
+    def watch_loops(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for one of ``loops`` to end: raises the error it ended with (or
+        ``RayActorError`` if it returned) when one does, ``GetTimeoutError`` when none did."""
+        if not self.loops:
+            time.sleep(timeout_s)
+            raise GetTimeoutError(f"no rank call to watch after {timeout_s:g}s")
+        ready, _ = ray.wait(list(self.loops), num_returns=1, timeout=timeout_s)
+        if not ready:
+            raise GetTimeoutError(f"no rank call ended within {timeout_s:g}s")
+        self._raise_ended(ready[0])
+
+    def _raise_ended(self, loop) -> None:
+        ray.get(loop)
+        rank = 0 if loop is self.engine_loop else self.loops.index(loop) + 1
+        raise RayActorError(f"rank {rank}'s loop ended while its generation was live")
 
     def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
         """Ranks that no longer answer a ping within ``timeout_s``."""

@@ -1,8 +1,8 @@
 """What crosses the process boundary between the fleet and a group's leader, per step at most.
 
 The fleet sends *commands* in numbered batches (:meth:`cluster.fleet_rank.FleetRankActor.engine_commands`);
-the leader answers with one :class:`GroupReport` per poll
-(:meth:`cluster.fleet_rank.FleetRankActor.engine_events`): every event since the last poll, the
+the leader sends one :class:`GroupReport` per step at most over its report link
+(:mod:`cluster.report_link`): every event since the last report, the
 hand-offs staged, the hand-offs admitted or refused, and the engine's load. Requests are named by
 their *engine id* (the fleet's request id plus its placement number), so a late event of an
 earlier placement of a request is never mistaken for one of the current placement.
@@ -91,7 +91,7 @@ class EngineLoad:
 
 @dataclass
 class GroupReport:
-    """Everything a group's engine did since the fleet's last poll.
+    """Everything a group's engine did since its last report.
 
     ``applied``: the number of the last command batch applied before ``load`` was taken (0 with no
     ``load``: nothing to say);
@@ -109,8 +109,8 @@ class GroupReport:
     loop_error: str | None = None
 
     def __reduce__(self):
-        # The events travel as columns: cloudpickle runs a Python-level reducer per dataclass, and
-        # the leader's report thread pickles while holding the GIL its engine loop needs.
+        # The events travel as columns: pickle runs a Python-level reducer per dataclass, and the
+        # leader's report thread pickles while holding the GIL its engine loop needs.
         return (_unpack_report, (events_to_wire(self.events), self.staged, self.accepted, self.refused, self.load,
                                  self.applied, self.step_s, self.loop_error))
 

@@ -5,9 +5,9 @@ only makes Ray calls and hands what it gets to the loop (``post``). Per group:
 
 - the loop buffers commands (:meth:`GroupClient.send`) and sends them as one numbered batch per
   loop iteration (:meth:`GroupClient.flush`): one Ray call, never one per request or token;
-- the receiver keeps one long poll (``engine_events``) open on the leader and watches every
-  rank's generation-long call beside it, so a report, a rank's death or a stuck step reaches the
-  loop as one message: ``("report", (client, generation, report))`` or
+- the receiver reads the leader's report link (:mod:`cluster.report_link`) while a watcher thread
+  waits on every rank's generation-long call beside it, so a report, a rank's death or a stuck step
+  reaches the loop as one message: ``("report", (client, generation, report))`` or
   ``("failed", (client, generation, reason))``;
 - the router weighs the engine's last reported load, adjusted by what was sent since
   (:meth:`GroupClient.load`).
@@ -23,11 +23,9 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from cluster.generation import failure_reason
 from cluster.group_messages import EngineLoad, GroupReport
+from cluster.report_link import HEARTBEAT_S, LinkClosed, ReportReader
 
 log = logging.getLogger(__name__)
-
-#: How long one report poll waits on the leader when nothing happens (its answer is a heartbeat).
-POLL_S = 1.0
 
 
 class GroupClient:
@@ -97,32 +95,107 @@ class GroupClient:
         timeout_s = self.group.config.cluster.step_timeout_s
         while not self._closed.is_set():
             gen = self.group.current()
-            if gen is None or gen.engine_loop is None:
+            if gen is None or gen.engine_loop is None or gen.report_address is None:
                 self._closed.wait(0.05)
                 continue
             try:
-                reason = self._poll(gen, timeout_s)
+                reason = self._follow(gen, timeout_s)
             except Exception as e:  # noqa: BLE001 - a receiver must never die silently
                 reason = f"reports from the leader failed: {type(e).__name__}: {e}"
-            if reason is None:
+            if reason is None or self._closed.is_set():
                 continue
-            if self._closed.is_set():
-                return
             self._post(("failed", (self, gen.generation, reason)))
             while not self._closed.is_set() and self.group.current() is gen:
                 self._closed.wait(0.05)  # the loop fails the generation; wait for it to go
 
-    def _poll(self, gen, timeout_s: float) -> str | None:
-        """One report poll; the reason ``gen`` failed, or None."""
+    def _follow(self, gen, timeout_s: float) -> str | None:
+        """Read ``gen``'s reports until it fails (returns why) or stops being current (None).
+
+        A watcher thread waits on the ranks' generation-long calls beside the link, so a rank's
+        death is seen at once, not when a step would have timed out; it ends the link to wake the
+        read.
+        """
         try:
-            report: GroupReport = gen.result_beside_loops(gen.leader.engine_events.remote(POLL_S), POLL_S + timeout_s)
+            reader = ReportReader(gen.report_address)
+        except OSError as e:
+            return self._loops_reason(gen) or f"could not open the leader's report link: {type(e).__name__}: {e}"
+        watch = _LoopWatch(gen, reader, self._closed)
+        watch.start()
+        try:
+            while not self._closed.is_set() and self.group.current() is gen:
+                try:
+                    report: GroupReport = reader.read(HEARTBEAT_S + timeout_s)
+                except TimeoutError:
+                    return f"step exceeded cluster.step_timeout_s={timeout_s:g}s (the leader did not answer)"
+                except LinkClosed as e:
+                    if self._closed.is_set() or self.group.current() is not gen:
+                        return None
+                    return watch.wait_reason(_LINK_GRACE_S) or self._loops_reason(gen) \
+                        or f"the leader's report link broke: {e}"
+                self._post(("report", (self, gen.generation, report)))
+                if report.loop_error is not None:
+                    return f"a rank failed the step: {report.loop_error}"
+                if report.step_s > timeout_s:
+                    return f"step exceeded cluster.step_timeout_s={timeout_s:g}s"
+            return None
+        finally:
+            watch.stop()
+            reader.close()
+
+    @staticmethod
+    def _loops_reason(gen) -> str | None:
+        """Why ``gen`` failed if one of its ranks' calls has ended (within a short grace), else None."""
+        try:
+            gen.watch_loops(_LINK_GRACE_S)
         except GetTimeoutError:
-            return f"step exceeded cluster.step_timeout_s={timeout_s:g}s (the leader did not answer)"
+            return None
         except RayError as e:
             return failure_reason(gen, e)
-        self._post(("report", (self, gen.generation, report)))
-        if report.loop_error is not None:
-            return f"a rank failed the step: {report.loop_error}"
-        if report.step_s > timeout_s:
-            return f"step exceeded cluster.step_timeout_s={timeout_s:g}s"
         return None
+
+
+#: How long a broken link waits for Ray to say which rank ended (a dead leader's call fails a moment
+#: after its socket closes).
+_LINK_GRACE_S = 5.0
+
+
+class _LoopWatch:
+    """Waits on ``gen``'s generation-long rank calls (their ``ray.wait`` wakes once per
+    :data:`HEARTBEAT_S` to see whether it should stop); when one ends, records why and closes the
+    link so the reader wakes."""
+
+    def __init__(self, gen, reader: ReportReader, closed: threading.Event) -> None:
+        self._gen, self._reader, self._closed = gen, reader, closed
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self.reason: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"loops-{gen.group_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def wait_reason(self, timeout_s: float) -> str | None:
+        """The reason once the watch has one (waits up to ``timeout_s``), or None."""
+        self._done.wait(timeout_s)
+        return self.reason
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and not self._closed.is_set():
+                try:
+                    self._gen.watch_loops(HEARTBEAT_S)
+                except GetTimeoutError:
+                    continue
+                except RayError as e:
+                    if not self._stop.is_set():
+                        self.reason = failure_reason(self._gen, e)
+                        self._reader.close()
+                return
+        except Exception as e:  # noqa: BLE001 - a watcher must never die silently
+            self.reason = f"watching the ranks failed: {type(e).__name__}: {e}"
+            self._reader.close()
+        finally:
+            self._done.set()
