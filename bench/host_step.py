@@ -1,0 +1,164 @@
+"""Host time per decode step of the engine's pieces at one batch, on any machine.
+
+The engine loop of a group's leader is host-bound once its device work is short (on the H200,
+tinyllama-1.1b at batch 64: 2.4 ms of host work a step against 1.8 ms of device work). This bench
+runs the real engine (CPU: the torch attention backend; GPU: flashinfer, graphs as configured)
+with ``--batch`` requests of ``--context`` prompt tokens that have already made ``--warm-tokens``
+tokens each (long outputs, as a long generation has), and times each host piece of the step with a
+wrapper on it: scheduling, the step message, the step's inputs, attention planning, sampling
+parameters, and the output processor (appending tokens, detokenizing, stop decisions). The rest
+of the step (the forward, sampling kernels, the read-back) is the step minus the pieces. Read the
+pieces, not the total, on a CPU: there the forward dominates.
+
+``--executor host`` runs the engine over :class:`HostOnlyExecutor` instead, which answers each step
+at once with random tokens (no model, no device): the step is then only the engine's own host work
+(scheduling, the step message, reading tokens back into requests, detokenizing, stop decisions),
+the part of a leader's loop that is the same on every machine, timed without a forward between
+steps (so with warm caches; on the GPU host the loop never waits for a CPU forward either).
+
+``python bench/host_step.py`` (tiny-llama on a CPU); on the GPU machine ``--preset tinyllama-1.1b``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+from deploy.config import load_config  # noqa: E402
+from worker import step_pipeline  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.sampling import sampler  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
+from worker.step_message import StepMessage, StepResult  # noqa: E402
+from worker.worker import Worker  # noqa: E402
+
+
+class _Answered:
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def result(self) -> StepResult:
+        return self._result
+
+
+class HostOnlyExecutor:
+    """An executor with the worker's geometry that answers every step at once: one uniformly random
+    token per sampled row (printable ids, so the text grows as a model's would)."""
+
+    def __init__(self, worker: Worker, seed: int = 0) -> None:
+        self.arch, self.num_pages, self.max_len = worker.arch, worker.num_pages, worker.max_len
+        self._rng = random.Random(seed)
+        self._low, self._high = 10, worker.arch.vocab_size - 1
+
+    def submit(self, msg: StepMessage) -> _Answered:
+        randint = self._rng.randint
+        return _Answered(StepResult(token_ids=[randint(self._low, self._high) for _ in msg.logits_rows]))
+
+    def shutdown(self) -> None:
+        pass
+
+
+class PieceTimer:
+    """Accumulated seconds and calls per named piece."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+                self.calls[name] += 1
+        return timed
+
+
+def instrument(engine: Engine, timer: PieceTimer, worker: bool) -> None:
+    """Wrap the engine's host pieces (instance attributes and the module functions the pipeline
+    calls), and with ``worker`` those of its local worker."""
+    engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
+    engine.output_processor.append_tokens = timer.wrap("output processor", engine.output_processor.append_tokens)
+    step_pipeline.build_step_message = timer.wrap("step message", step_pipeline.build_step_message)
+    if worker:
+        runner = engine.worker.runner
+        runner.prepare = timer.wrap("step inputs", runner.prepare)
+        runner.attention.plan = timer.wrap("attention plan", runner.attention.plan)
+        build = sampler.SamplingBatch.build
+        sampler.SamplingBatch.build = timer.wrap("sampling params", build)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny-llama")
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--warm-tokens", type=int, default=300, help="tokens each request has made before timing")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--executor", choices=("worker", "host"), default="worker",
+                    help="worker: the real forward; host: HostOnlyExecutor (the engine's host work alone)")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    path = ensure_checkpoint(args.preset, Path(args.checkpoints))
+    B, ctx = args.batch, args.context
+    pages = B * (-(-(ctx + args.warm_tokens + args.steps + 32) // 16)) + 64
+    overrides = [f"model.path={path}", f"cache.num_pages={pages}", f"scheduler.max_running_requests={B}"]
+    if not cuda:
+        overrides += ["model.device=cpu", "attention.backend=torch", "graphs.enabled=false"]
+    cfg = load_config(None, overrides + args.set)
+    if args.executor == "host":
+        worker = Worker.local(cfg)
+        engine = Engine(cfg, executor=HostOnlyExecutor(worker))
+    else:
+        engine = Engine(cfg)
+    timer = PieceTimer()
+    instrument(engine, timer, args.executor == "worker")
+    g = torch.Generator().manual_seed(0)
+    max_tokens = args.warm_tokens + args.steps + 16
+    for _ in range(B):  # sampled (not greedy), top-p on: the sampling path a chat request takes
+        engine.add_request(torch.randint(10, engine.arch.vocab_size - 10, (ctx,), generator=g).tolist(),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(args.warm_tokens):
+        engine.step()
+    running = len(engine.scheduler.running)
+    timer.on = True
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_s = (time.perf_counter() - started) / args.steps
+    timer.on = False
+
+    rows = [{"piece": name, "us_per_step": timer.seconds[name] / args.steps * 1e6,
+             "calls_per_step": timer.calls[name] / args.steps} for name in sorted(timer.seconds, key=timer.seconds.get,
+                                                                               reverse=True)]
+    pieces_s = sum(timer.seconds.values()) / args.steps
+    rows.append({"piece": "pieces, summed", "us_per_step": pieces_s * 1e6, "calls_per_step": None})
+    rows.append({"piece": "whole step", "us_per_step": step_s * 1e6, "calls_per_step": 1.0})
+    print(f"{args.preset}, batch {running} (asked {B}), context {ctx} + {args.warm_tokens} made, "
+          f"{'cuda' if cuda else 'cpu'}, executor {args.executor}, async_scheduling={cfg.scheduler.async_scheduling}")
+    print_table(rows, ["piece", "us_per_step", "calls_per_step"])
+    write_results("host_step", {"env": environment(), "args": vars(args), "batch": running, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
