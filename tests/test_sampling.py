@@ -372,3 +372,29 @@ def test_no_host_sync_on_cuda():
         for i, p in enumerate(group):
             if p.greedy:
                 assert tokens[i] == logits[i].float().argmax().cpu()
+
+
+def test_rows_kept_for_the_same_batch_equal_rows_built_afresh():
+    """SamplingRows reuses the host side while the batch is the same params objects in the same
+    order; any change of composition (a row joins, leaves, or moves) builds it afresh."""
+    from worker.sampling.sampler import SamplingRows
+
+    def fields(b):
+        return ([t.tolist() for t in (b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps, b.greedy_mask)],
+                (b.all_greedy, b.any_greedy, b.needs_sort, b.needs_top_p, b.needs_min_p, b.topk_width,
+                 b.want_logprobs))
+
+    a = SamplingParams(temperature=0.7, top_k=5)
+    b = SamplingParams(temperature=0.0, logprobs=True)
+    c = SamplingParams(temperature=1.2, top_p=0.9, min_p=0.05)
+    rows = SamplingRows()
+    batches = [[a, b, c], [a, b, c], [a, c], [c, a], [c, a, b], [SamplingParams(temperature=0.7, top_k=5)], []]
+    for step, params in enumerate(batches):
+        seeds, steps = [7 + i for i in range(len(params))], [step] * len(params)
+        kept = SamplingBatch.build(params, seeds, steps, CPU, rows=rows)
+        fresh = SamplingBatch.build(params, seeds, steps, CPU)
+        assert fields(kept) == fields(fresh), step
+    with pytest.raises(ValueError, match="step must be an int"):
+        SamplingBatch.build([a], [1], [True], CPU, rows=rows)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        SamplingBatch.build([a], [1.5], [0], CPU, rows=rows)

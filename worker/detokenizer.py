@@ -25,12 +25,31 @@ class TextDecoder(Protocol):
 
 
 class OutputText:
+    """A request's output text, its stop strings, and how much of it has been streamed.
+
+    Appending costs the piece, not the text so far: the text lives as chunks plus a short tail
+    (the characters a stop string could still start in, and those not yet streamed), so a long
+    generation does not copy its whole text on every token.
+    """
+
     def __init__(self, decoder, stop: tuple[str, ...]) -> None:
         self.decoder = decoder
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.emitted = 0
+        self.emitted = 0  #: characters streamed so far
+        self._done: list[str] = []  # text before ``_base``
+        self._base = 0
+        self._tail = ""  # text[_base:]; _base <= min(emitted, len(text) - holdback)
+
+    @property
+    def text(self) -> str:
+        """The text so far (a stop string and what followed it cut off)."""
+        if self._done:
+            self._done = ["".join(self._done)]
+        return (self._done[0] if self._done else "") + self._tail
+
+    def __len__(self) -> int:
+        return self._base + len(self._tail)
 
     def append(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (text delta safe to stream, whether a stop string matched)."""
@@ -38,23 +57,36 @@ class OutputText:
 
     def take(self, piece: str) -> tuple[str, bool]:
         """Add the text ``piece`` that a token completed (see :func:`append_each`); as :meth:`append`."""
-        before = len(self.text)
-        self.text += piece
-        if self.stop:
-            search_from = max(0, before - self.holdback)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                return self.flush(), True
-        safe_end = max(self.emitted, len(self.text) - self.holdback)
-        delta = self.text[self.emitted:safe_end]
+        if not self.stop:  # nothing held back: the piece streams as it is
+            if piece:
+                self._done.append(piece)
+                self._base += len(piece)
+                self.emitted = self._base
+            return piece, False
+        base, before = self._base, self._base + len(self._tail)
+        tail = self._tail = self._tail + piece
+        # A match may start up to holdback characters before the piece (never before _base).
+        search_from = max(0, before - self.holdback) - base
+        hits = [i for i in (tail.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self._tail = tail[: min(hits)]
+            return self.flush(), True
+        end = base + len(tail)
+        safe_end = max(self.emitted, end - self.holdback)
+        delta = tail[self.emitted - base: safe_end - base]
         self.emitted = safe_end
+        keep_from = min(self.emitted, end - self.holdback) - base
+        if keep_from > 0:
+            self._done.append(tail[:keep_from])
+            self._tail = tail[keep_from:]
+            self._base = base + keep_from
         return delta, False
 
     def flush(self) -> str:
         """Everything not yet streamed (call once the request has finished)."""
-        delta = self.text[self.emitted:]
-        self.emitted = len(self.text)
+        end = self._base + len(self._tail)
+        delta = self._tail[max(0, self.emitted - self._base):]
+        self.emitted = end
         return delta
 
 
@@ -208,6 +240,9 @@ def add_each(decoders: Sequence[IncrementalDecoder | ByteLevelDecoder], token_id
     ``skip_special_tokens`` value for the :class:`IncrementalDecoder` ones (all over one tokenizer):
     a step's tokens for every request together, decoded outside the GIL. A
     :class:`ByteLevelDecoder` needs no backend call: it decodes on its own."""
+    # Exact types, not isinstance: both derive from an ABC, whose isinstance is the slow path.
+    if all(type(d) is ByteLevelDecoder for d in decoders):
+        return [d.add(t) for d, t in zip(decoders, token_ids)]
     out = [""] * len(decoders)
     batched: list[int] = []
     for i, (d, t) in enumerate(zip(decoders, token_ids)):
@@ -227,11 +262,14 @@ def add_each(decoders: Sequence[IncrementalDecoder | ByteLevelDecoder], token_id
     return out
 
 
+_STREAM_DECODERS = frozenset({IncrementalDecoder, ByteLevelDecoder})
+
+
 def append_each(texts: list[OutputText], token_ids: list[int]) -> list[tuple[str, bool]]:
     """``[t.append(tok) for t, tok in zip(texts, token_ids)]``, detokenizing all the tokens in one
     batch (:func:`add_each`) when the texts have a tokenizer's decoders (an engine's all have, or
     none); :class:`ByteLevelDecoder` texts decode on their own (a table look-up each)."""
     decoders = [t.decoder for t in texts]
-    if not all(isinstance(d, IncrementalDecoder | ByteLevelDecoder) for d in decoders):
+    if not all(type(d) in _STREAM_DECODERS for d in decoders):  # exact types: isinstance of an ABC is slow
         return [t.append(tok) for t, tok in zip(texts, token_ids)]
     return [t.take(piece) for t, piece in zip(texts, add_each(decoders, token_ids))]

@@ -13,7 +13,7 @@ from graphs.runner import PhaseRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
-from worker.sampling.sampler import SampleOutput, SamplingBatch, sample
+from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
 from worker.step_message import StepMessage
 
 
@@ -47,6 +47,7 @@ class ModelRunner:
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
         self._staging = PinnedStaging(self.device)  # the step's ids, positions and rows, in one copy
         self._sampling_staging = PinnedStaging(self.device)
+        self._sampling_rows = SamplingRows()
 
     def prepare(self, msg: StepMessage, previous: torch.Tensor | None = None) -> StepInputs:
         """The step's device inputs; ``msg.from_previous`` inputs are taken from ``previous`` (the
@@ -95,5 +96,6 @@ class ModelRunner:
             if not msg.logits_rows:
                 return None, None
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging)
+        sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging,
+                                 rows=self._sampling_rows)
         return sample(logits, sb), logits

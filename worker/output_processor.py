@@ -68,36 +68,39 @@ class OutputProcessor:
 
     def append_token(self, req: Request, token: int, logprob: float | None) -> RequestEvent:
         """Append a sampled ``token`` to ``req``; finishes it when it ends here. Returns its event."""
-        return self._decide(req, token, logprob, *self._texts[req.request_id].append(token))
+        text = self._texts[req.request_id]
+        return self._decide(req, token, logprob, *text.append(token), text)
 
     def append_tokens(self, sampled: list[tuple[Request, int, float | None]]) -> list[RequestEvent]:
         """:meth:`append_token` of each ``(request, token, logprob)`` of a step, in order, with the
         step's tokens detokenized together (one batch for all its requests)."""
-        texts = [self._texts[req.request_id] for req, _, _ in sampled]
+        by_id = self._texts
+        texts = [by_id[req.request_id] for req, _, _ in sampled]
         pieces = append_each(texts, [token for _, token, _ in sampled])
-        return [self._decide(req, token, lp, delta, stopped)
-                for (req, token, lp), (delta, stopped) in zip(sampled, pieces)]
+        decide = self._decide
+        return [decide(req, token, lp, delta, stopped, text)
+                for (req, token, lp), (delta, stopped), text in zip(sampled, pieces, texts)]
 
-    def _decide(self, req: Request, token: int, logprob: float | None, delta: str, stopped: bool) -> RequestEvent:
+    def _decide(self, req: Request, token: int, logprob: float | None, delta: str, stopped: bool,
+                text: OutputText) -> RequestEvent:
         """Record ``token`` (whose text ``delta`` is streamable; ``stopped``: a stop string matched) on
-        ``req``, decide whether it ends here, and return its event."""
+        ``req`` (whose output text is ``text``), decide whether it ends here, and return its event."""
+        p = req.params
         req.prefilling = False
         req.output_ids.append(token)
-        if logprob is not None and req.params.logprobs:
+        if logprob is not None and p.logprobs:
             req.logprobs.append(logprob)
         phases = None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             if len(req.output_ids) == 1 and req.scheduled_time is not None:  # its first token anywhere
                 phases = (req.scheduled_time - req.arrival_time, req.first_token_time - req.scheduled_time)
-        text = self._texts[req.request_id]
-        p = req.params
         reason = None
         if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
-        handoff = self._handoffs.pop(req.request_id, None)
+        handoff = self._handoffs.pop(req.request_id, None) if self._handoffs else None
         if reason is None and handoff is not None:
             handoff(req)  # the pages still hold the KV: the callback must take it before they are freed
             self.scheduler.finish(req, "handoff")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from worker.kv_cache import PageAllocator
 from worker.request import Request, Status
@@ -48,6 +49,9 @@ class ScheduledBatch:
         return len(self.requests)
 
 
+_by_arrival = attrgetter("arrival")
+
+
 class Scheduler:
     """Owns the waiting and running queues and the page allocator's bookings."""
 
@@ -75,6 +79,8 @@ class Scheduler:
 
     def _book(self, request: Request, total_tokens: int) -> bool:
         need = request.pages_needed(total_tokens, self.limits.page_size)
+        if need == 0:  # most decode steps: the last page has room
+            return True
         if not self.allocator.can_allocate(need):
             return False
         request.pages.extend(self.allocator.allocate(need))
@@ -117,25 +123,29 @@ class Scheduler:
         return batch if batch.requests else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        decoding = [r for r in self.running if not r.prefilling and not r.ends_with_pending(self.max_model_len)]
+        max_len = self.max_model_len
+        decoding = [r for r in self.running
+                    if not r.prefilling and not (r.num_pending and r.ends_with_pending(max_len))]
         if not decoding:
             return None
-        scheduled: list[Request] = []
-        for req in sorted(decoding, key=lambda r: r.arrival):
+        scheduled: list[tuple[Request, int]] = []
+        for req in sorted(decoding, key=_by_arrival):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self._book(req, req.seq_len):
-                victim = max(self.running, key=lambda r: r.arrival)
+            seq_len = req.seq_len  # preempting others does not change it
+            while not self._book(req, seq_len):
+                victim = max(self.running, key=_by_arrival)
                 self._preempt(victim)
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                scheduled.append(req)
-        scheduled = [r for r in scheduled if r.status is Status.RUNNING]
-        if not scheduled:
+                scheduled.append((req, seq_len))
+        kept = [r for r, _ in scheduled if r.status is Status.RUNNING]
+        if not kept:
             return None
-        return ScheduledBatch(False, scheduled, [r.seq_len - 1 for r in scheduled],
-                              [1] * len(scheduled), [True] * len(scheduled))
+        n = len(kept)
+        starts = [seq_len - 1 for r, seq_len in scheduled if r.status is Status.RUNNING]
+        return ScheduledBatch(False, kept, starts, [1] * n, [True] * n)
 
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s pages and send it back to the front of the waiting queue."""

@@ -97,6 +97,8 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
     A request with a token in flight (``num_pending``) gets a stand-in input (0) overwritten by the
     ranks from the previous step's sampled row ``previous_rows[id(request)]``.
     """
+    if not batch.is_prefill:
+        return _decode_message(batch, seeds, return_logits, previous_rows)
     ids: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
@@ -120,3 +122,32 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
     return StepMessage(batch.is_prefill, ids, positions, [s + n for s, n in zip(batch.start, batch.num_new)],
                        list(batch.num_new), [list(r.pages) for r in batch.requests], rows, params, list(seeds),
                        steps, return_logits, from_previous)
+
+
+def _decode_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool,
+                    previous_rows: dict[int, int] | None) -> StepMessage:
+    """:func:`build_step_message` of a decode batch: one input token and one sampled row per request,
+    the request's last token, whose position is ``start``."""
+    if any(n != 1 for n in batch.num_new) or not all(batch.sample):
+        raise ValueError("a decode batch has one new, sampled token per request")
+    ids: list[int] = []
+    from_previous: list[tuple[int, int]] = []
+    steps: list[int] = []
+    for row, (req, start) in enumerate(zip(batch.requests, batch.start)):
+        out, pending = req.output_ids, req.num_pending
+        k = start - len(req.prompt_ids)  # the input token's index among the outputs
+        if 0 <= k < len(out):
+            ids.append(out[k])
+        elif k < 0:
+            ids.append(req.prompt_ids[k])
+        else:  # only the last token can be in flight (one step ahead at most)
+            if previous_rows is None or k != len(out) or id(req) not in previous_rows:
+                raise ValueError(f"request {req.request_id}: input token {start} is not known and no "
+                                 "step in flight samples it")
+            from_previous.append((row, previous_rows[id(req)]))
+            ids.append(0)
+        steps.append(len(out) + pending)
+    n = len(ids)
+    return StepMessage(False, ids, list(batch.start), [s + 1 for s in batch.start], [1] * n,
+                       [list(r.pages) for r in batch.requests], list(range(n)), [r.params for r in batch.requests],
+                       list(seeds), steps, return_logits, from_previous)

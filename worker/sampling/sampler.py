@@ -30,6 +30,7 @@ unfiltered logits at the chosen token (not of the distribution actually sampled 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,6 +56,65 @@ class SampleOutput(NamedTuple):
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
+
+
+def _row_values(p: SamplingParams, k_off: int) -> tuple:
+    """(greedy, temperature, top_k, top_p, min_p, the row's enabled top-k or 0, logprobs) of one row,
+    as :meth:`SamplingBatch.build` lays them out: a greedy row holds the neutral values."""
+    if p.greedy:
+        return 1, 1.0, k_off, math.inf, 0.0, 0, p.logprobs
+    k = p.top_k if 0 < p.top_k < k_off else 0
+    return 0, p.temperature, k or k_off, p.top_p if p.top_p < 1.0 else math.inf, p.min_p, k, p.logprobs
+
+
+@dataclass(frozen=True)
+class _HostRows:
+    """What a batch's params decide, once per batch composition (see :class:`SamplingRows`)."""
+
+    top_ks: np.ndarray  # (B,) int64
+    greedy: np.ndarray  # (B,) int64, 1 for greedy rows
+    floats: np.ndarray  # (3B,) int32: float32 bits of temperature, top_p, min_p
+    all_greedy: bool
+    any_greedy: bool
+    needs_sort: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    topk_width: int | None
+    want_logprobs: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], k_off: int) -> _HostRows:
+        n = len(params)
+        greedy, temps, top_ks, top_ps, min_ps, ks, logprobs = (
+            zip(*[_row_values(p, k_off) for p in params]) if n else ((),) * 7)
+        enabled_k = [k for k in ks if k]
+        needs_top_p = any(p < 1.0 for p in top_ps)
+        needs_sort = bool(enabled_k) or needs_top_p
+        topk_width = None
+        if needs_sort and all(g or k for g, k in zip(greedy, ks)) and max(enabled_k) <= _PARTIAL_SORT_MAX_K:
+            topk_width = max(enabled_k)
+        return cls(np.array(top_ks, dtype=np.int64), np.array(greedy, dtype=np.int64),
+                   # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
+                   np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32),
+                   all(greedy), any(greedy), needs_sort, needs_top_p, any(m > 0 for m in min_ps), topk_width,
+                   any(logprobs))
+
+
+class SamplingRows:
+    """The host side of the last batch's sampling parameters, reused while the batch is the same
+    params objects in the same order (a decode batch is, from one step to the next, until a
+    request joins or leaves); it holds those objects, so an identity match is never a reused id."""
+
+    def __init__(self) -> None:
+        self._params: tuple[SamplingParams, ...] = ()
+        self._k_off = -1
+        self._rows: _HostRows | None = None
+
+    def get(self, params: Sequence[SamplingParams], k_off: int) -> _HostRows:
+        if (self._rows is None or k_off != self._k_off or len(params) != len(self._params)
+                or not all(map(operator.is_, params, self._params))):
+            self._params, self._k_off, self._rows = tuple(params), k_off, _HostRows.of(params, k_off)
+        return self._rows
 
 
 @dataclass
@@ -98,9 +158,10 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
               device: torch.device | str, *, vocab_size: int | None = None,
-              staging: PinnedStaging | None = None) -> SamplingBatch:
+              staging: PinnedStaging | None = None, rows: SamplingRows | None = None) -> SamplingBatch:
         """Pack one row per request and copy it to ``device`` in a single (pinned, async) H2D copy
-        (through ``staging``, the caller's ring of pinned buffers, when given).
+        (through ``staging``, the caller's ring of pinned buffers, when given). ``rows`` keeps each
+        params object's row values from one step to the next (a request keeps its params).
 
         ``seeds[i]`` is request i's effective seed (its ``params.seed`` if set, otherwise one the
         caller drew once on the host); ``steps[i]`` is the number of output tokens it already has.
@@ -111,58 +172,28 @@ class SamplingBatch:
             raise ValueError(f"need one seed and one step per request: got {n} params, "
                              f"{len(seeds)} seeds, {len(steps)} steps")
         k_off = _TOP_K_OFF if vocab_size is None else int(vocab_size)
-        temps: list[float] = []
-        top_ks: list[int] = []
-        top_ps: list[float] = []
-        min_ps: list[float] = []
-        greedy: list[int] = []
-        wrapped: list[int] = []
-        enabled_k: list[int] = []
-        all_rows_have_k = True
-        want_logprobs = False
-        for p, seed, step in zip(params, seeds, steps, strict=True):
-            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63:
-                raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise ValueError(f"seed must be an int, got {seed!r}")
-            wrapped.append((seed + (1 << 63)) % (1 << 64) - (1 << 63))
-            want_logprobs |= p.logprobs
-            if p.greedy:
-                greedy.append(1)
-                temps.append(1.0)
-                top_ks.append(k_off)
-                top_ps.append(math.inf)
-                min_ps.append(0.0)
-                continue
-            greedy.append(0)
-            temps.append(p.temperature)
-            if p.top_k > 0 and p.top_k < k_off:
-                top_ks.append(p.top_k)
-                enabled_k.append(p.top_k)
-            else:
-                top_ks.append(k_off)
-                all_rows_have_k = False
-            top_ps.append(p.top_p if p.top_p < 1.0 else math.inf)
-            min_ps.append(p.min_p)
+        if not set(map(type, steps)) <= {int} or (n and not 0 <= min(steps) <= max(steps) < 1 << 63):
+            bad = next(s for s in steps if type(s) is not int or not 0 <= s < 1 << 63)  # a bool is not a step
+            raise ValueError(f"step must be an int in [0, 2**63), got {bad!r}")
+        if not set(map(type, seeds)) <= {int}:
+            raise ValueError(f"seed must be an int, got {next(s for s in seeds if type(s) is not int)!r}")
+        wrapped = seeds  # two's complement of the seed mod 2**64, as int64
+        if n and not -(1 << 63) <= min(seeds) <= max(seeds) < 1 << 63:
+            wrapped = [(seed + (1 << 63)) % (1 << 64) - (1 << 63) for seed in seeds]
+        host = rows.get(params, k_off) if rows is not None else _HostRows.of(params, k_off)
 
-        needs_top_p = any(p < 1.0 for p in top_ps)
-        needs_sort = bool(enabled_k) or needs_top_p
-        topk_width = None
-        if needs_sort and all_rows_have_k and max(enabled_k) <= _PARTIAL_SORT_MAX_K:
-            topk_width = max(enabled_k)
-
-        # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
-        floats = np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32)
+        packed = np.empty(7 * n, dtype=np.int64)
+        packed[:n], packed[n:2 * n], packed[2 * n:3 * n] = host.top_ks, wrapped, steps
+        packed[3 * n:4 * n], packed[4 * n:] = host.greedy, host.floats
         if staging is None:
             staging = PinnedStaging(device, capacity=7 * n, slots=2)
-        (dev,) = staging.stage([np.concatenate([np.array([top_ks, wrapped, list(steps), greedy],
-                                                         dtype=np.int64).reshape(-1), floats])])
+        (dev,) = staging.stage([packed])
         dev = dev.view(7, n)
         f = dev[4:].to(torch.int32).view(torch.float32)
         return cls(temperature=f[0], top_k=dev[0], top_p=f[1], min_p=f[2], seeds=dev[1], steps=dev[2],
-                   greedy_mask=dev[3].bool(), all_greedy=all(greedy), any_greedy=any(greedy),
-                   needs_sort=needs_sort, needs_top_p=needs_top_p, needs_min_p=any(m > 0 for m in min_ps),
-                   topk_width=topk_width, want_logprobs=want_logprobs)
+                   greedy_mask=dev[3].bool(), all_greedy=host.all_greedy, any_greedy=host.any_greedy,
+                   needs_sort=host.needs_sort, needs_top_p=host.needs_top_p, needs_min_p=host.needs_min_p,
+                   topk_width=host.topk_width, want_logprobs=host.want_logprobs)
 
 
 def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
