@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from cluster.group_messages import Abort, Admit, EngineLoad, GroupReport, Prefilled, Refused, Staged
 from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
@@ -35,6 +36,9 @@ from worker.request import Request, RequestRejected
 from worker.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+#: Threads that fetch hand-offs' KV shards at once (each fetch waits on the object store or a peer).
+RESOLVE_THREADS = 4
 
 
 class EngineHost:
@@ -49,6 +53,11 @@ class EngineHost:
     def __init__(self, config, executor: LeaderExecutor, role: str, max_model_len: int,
                  stage: Callable[[str, list[int]], None], resolve: Callable, import_shard: Callable) -> None:
         self.role, self.executor = role, executor
+        # Shards that must be fetched (ray.get) are resolved off the loop: a fetch of a request's KV
+        # would stall every other request's decode for as long as it takes.
+        self._resolver = ThreadPoolExecutor(max_workers=RESOLVE_THREADS, thread_name_prefix="kv-resolve")
+        self._resolving: dict[str, tuple[Prefilled, Future]] = {}  # engine id -> (command, its shards), FIFO
+        self._resolved = False  # a resolution finished since the loop last looked
         self.engine = Engine(config, executor=executor, tokenizer=load_tokenizer(config.model.path))
         self.engine.cap_max_model_len(max_model_len)
         self._stage, self._resolve, self._import_shard = stage, resolve, import_shard
@@ -92,6 +101,7 @@ class EngineHost:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
 
     # ----- the loop -----
 
@@ -104,7 +114,7 @@ class EngineHost:
             while True:
                 with self._cond:
                     while not self._stopping and self._applied + 1 not in self._inbox \
-                            and not self.engine.has_unfinished():
+                            and not self.engine.has_unfinished() and not self._resolved:
                         self._cond.wait(1.0)
                     if self._stopping:
                         return
@@ -112,9 +122,12 @@ class EngineHost:
                     while self._applied + 1 in self._inbox:
                         self._applied += 1
                         batches.append(self._inbox.pop(self._applied))
+                    resolved, self._resolved = self._resolved, False
                 for commands in batches:
                     for command in commands:
                         self._apply(command)
+                if resolved:
+                    self._admit_resolved()
                 if self.engine.has_unfinished():
                     with self._cond:
                         self._step_started = time.monotonic()
@@ -139,6 +152,8 @@ class EngineHost:
         elif isinstance(command, Prefilled):
             self._admit_prefilled(command)
         elif isinstance(command, Abort):
+            if self._resolving.pop(command.engine_id, None) is not None:
+                return  # its KV had not arrived: nothing was admitted, nothing to release
             if self.engine.abort(command.engine_id):
                 self.engine.release(command.engine_id)
         else:
@@ -155,17 +170,60 @@ class EngineHost:
                                                      f"rejected by the group: {e}", FailureKind.REJECTED))
 
     def _admit_prefilled(self, c: Prefilled) -> None:
-        e = self.engine
-        full = e.no_room_for_prefilled(len(c.prompt_ids) + len(c.output_ids) - 1)
+        """Check room, then resolve ``c``'s shards: at once for a point-to-point transport (it only
+        orders the sends), else on a resolver thread, the request joining the engine once they are
+        here (:meth:`_admit_resolved`) while the loop goes on stepping."""
+        full = self._no_room(c)
         if full is not None:
             self._refuse(Refused(c.engine_id, "no_room", full))
             return
-        try:
-            items = self._resolve(c.transport, c.shards, c.timeout_s)
-        except Exception as err:  # noqa: BLE001 - nothing was written: the fleet re-prefills it
-            self._refuse(Refused(c.engine_id, "transfer_failed", f"KV for the import did not arrive: "
-                                                                 f"{type(err).__name__}: {err}"))
+        if c.transport == "nccl":
+            try:
+                items = self._resolve(c.transport, c.shards, c.timeout_s)
+            except Exception as err:  # noqa: BLE001 - nothing was written: the fleet re-prefills it
+                self._refuse_unresolved(c, err)
+                return
+            self._import(c, items)
             return
+        try:
+            future = self._resolver.submit(self._resolve, c.transport, c.shards, c.timeout_s)
+        except RuntimeError:  # stop() shut the resolver down
+            self._refuse(Refused(c.engine_id, "transfer_failed", "the group is shutting down"))
+            return
+        self._resolving[c.engine_id] = (c, future)
+        future.add_done_callback(self._on_resolved)
+
+    def _on_resolved(self, _future: Future) -> None:
+        with self._cond:
+            self._resolved = True
+            self._cond.notify_all()
+
+    def _admit_resolved(self) -> None:
+        """Import every request whose shards have arrived (or refuse it), in arrival order."""
+        done = [(eid, c, f) for eid, (c, f) in self._resolving.items() if f.done()]
+        for eid, c, future in done:
+            del self._resolving[eid]
+            try:
+                items = future.result()
+            except Exception as err:  # noqa: BLE001 - nothing was written: the fleet re-prefills it
+                self._refuse_unresolved(c, err)
+                continue
+            self._import(c, items)
+
+    def _no_room(self, c: Prefilled) -> str | None:
+        """Why ``c`` cannot be admitted now, counting the pages and slots of the requests whose
+        shards are still being resolved (they are admitted before it)."""
+        page = self.engine.config.cache.page_size
+        pages = sum(-(-(len(r.prompt_ids) + len(r.output_ids) - 1) // page) for r, _ in self._resolving.values())
+        return self.engine.no_room_for_prefilled(len(c.prompt_ids) + len(c.output_ids) - 1,
+                                                 reserved_pages=pages, reserved_requests=len(self._resolving))
+
+    def _refuse_unresolved(self, c: Prefilled, err: Exception) -> None:
+        self._refuse(Refused(c.engine_id, "transfer_failed", f"KV for the import did not arrive: "
+                                                             f"{type(err).__name__}: {err}"))
+
+    def _import(self, c: Prefilled, items: list) -> None:
+        """Admit ``c`` into the engine, every rank writing its shard into the pages it gets."""
         ordered: list[bool] = []  # whether the followers were told to import (their state is then unknown)
 
         def import_kv(pages: list[int]) -> None:
@@ -179,8 +237,8 @@ class EngineHost:
             self._import_shard(list(pages), c.transport, mine)
 
         try:
-            e.add_prefilled_request(c.prompt_ids, c.output_ids, c.params, seed=c.seed, request_id=c.engine_id,
-                                    logprobs=c.logprobs, import_kv=import_kv)
+            self.engine.add_prefilled_request(c.prompt_ids, c.output_ids, c.params, seed=c.seed,
+                                              request_id=c.engine_id, logprobs=c.logprobs, import_kv=import_kv)
         except RequestRejected as err:
             self._refuse(Refused(c.engine_id, "rejected", str(err)))
             return
@@ -240,7 +298,14 @@ class EngineHost:
         prefill = sum(r.num_tokens - r.num_computed for r in reqs if r.prefilling)
         decode = 0 if self.role == "prefill" else sum(
             max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens)) for r in reqs)
-        return EngineLoad(e.num_free_pages, e.allocator.num_usable, len(reqs), prefill + decode)
+        free, waiting = e.num_free_pages, len(self._resolving)
+        if waiting:  # hand-offs whose KV is on its way hold their pages and slots already
+            page = e.config.cache.page_size
+            for c, _ in self._resolving.values():
+                num = len(c.prompt_ids) + len(c.output_ids)
+                free -= -(-(num - 1) // page)
+                decode += max(0, min(c.params.max_tokens - len(c.output_ids), e.max_model_len - num))
+        return EngineLoad(max(0, free), e.allocator.num_usable, len(reqs) + waiting, prefill + decode)
 
 
 

@@ -203,15 +203,19 @@ class Engine:
         self.scheduler.add_running(req)
         return request_id
 
-    def no_room_for_prefilled(self, num_kv_tokens: int) -> str | None:
+    def no_room_for_prefilled(self, num_kv_tokens: int, reserved_pages: int = 0,
+                              reserved_requests: int = 0) -> str | None:
         """Why a prefilled request with ``num_kv_tokens`` of KV cannot be admitted now (no running slot
-        or not enough free pages), or None when it can."""
-        running, limit = len(self.scheduler.running), self.config.scheduler.max_running_requests
+        or not enough free pages, after ``reserved_requests`` others taking ``reserved_pages``), or
+        None when it can."""
+        running, limit = len(self.scheduler.running) + reserved_requests, self.config.scheduler.max_running_requests
         if running >= limit:
-            return f"{running} requests already running (scheduler.max_running_requests={limit})"
+            held = f" ({reserved_requests} of them waiting for their KV)" if reserved_requests else ""
+            return f"{running} requests already running{held} (scheduler.max_running_requests={limit})"
         need = -(-num_kv_tokens // self.config.cache.page_size)
-        if not self.allocator.can_allocate(need):
-            return f"needs {need} KV pages, {self.allocator.num_free} free"
+        if not self.allocator.can_allocate(need + reserved_pages):
+            held = f" ({reserved_pages} held for KV on its way)" if reserved_pages else ""
+            return f"needs {need} KV pages, {self.allocator.num_free} free{held}"
         return None
 
     def abort(self, request_id: str) -> bool:
