@@ -8,6 +8,7 @@ shard (produced by a task that takes its time, as a fetch of a large shard does)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -74,7 +75,9 @@ def _handed_off(config):
     return first, exported["kv"], expected
 
 
-def _host(config):
+@contextlib.contextmanager
+def _running_host(config):
+    """A decode group's engine host over a local worker, its loop on a thread of its own."""
     worker = Worker.local(config)
 
     def import_shard(pages, transport, item):
@@ -84,7 +87,11 @@ def _host(config):
                       resolve_shards, import_shard)
     thread = threading.Thread(target=host.run, daemon=True)
     thread.start()
-    return host, thread
+    try:
+        yield host
+    finally:
+        host.stop()
+        thread.join(10)
 
 
 def _tokens_by_request(host, until, timeout_s: float = 60.0) -> dict[str, list]:
@@ -108,8 +115,7 @@ def _tokens_by_request(host, until, timeout_s: float = 60.0) -> dict[str, list]:
 def test_other_requests_decode_while_a_hand_off_fetches_its_kv(ray_local, config):
     first, kv, expected = _handed_off(config)
     assert first == expected[:1]
-    host, thread = _host(config)
-    try:
+    with _running_host(config) as host:
         busy = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
         host.put(1, [Admit("busy#0", PROMPT[:8], busy, 1, [], [], False)])
         _tokens_by_request(host, lambda seen: len(seen.get("busy#0", [])) >= 3)
@@ -126,41 +132,37 @@ def test_other_requests_decode_while_a_hand_off_fetches_its_kv(ray_local, config
         assert accepted and accepted[0] >= sent + delay_s - 0.1
         tokens = [tok for _, toks, _ in seen["h#0"] for tok in toks]
         assert first + tokens == expected  # its KV arrived whole: greedy decoding goes on as in one engine
-    finally:
-        host.stop()
-        thread.join(10)
 
 
 def test_a_hand_off_aborted_while_its_kv_is_on_the_way_is_never_admitted(ray_local, config):
     first, kv, _ = _handed_off(config)
-    host, thread = _host(config)
-    try:
-        shard = _slowly.remote(kv, 1.0)
+    with _running_host(config) as host:
+        usable, page = host.engine.allocator.num_usable, config.cache.page_size
+        shard = _slowly.remote(kv, 1.5)
         host.put(1, [Prefilled("gone#0", PROMPT, first, GREEDY, 0, [], "object_store", (shard,), 30.0)])
+        deadline = time.monotonic() + 5.0
+        while (load := host.take_report(0.2).load) is None or load.requests == 0:
+            assert time.monotonic() < deadline, "the fetch in progress never showed in the load"
+        # Its slot, pages and tokens to come count as taken while its KV is on the way.
+        assert load.requests == 1 and load.free_pages == usable - -(-len(PROMPT) // page)
+        assert load.outstanding_tokens == GREEDY.max_tokens - len(first)
         host.put(2, [Abort("gone#0")])
-        load_before = host.take_report(0.2).load
-        time.sleep(1.5)
+        time.sleep(2.0)  # the fetch has finished by now
         report = host.take_report(0.5)
-        assert "gone#0" not in report.accepted and not report.events
+        assert "gone#0" not in report.accepted and not report.events and not report.refused
         assert host.engine.requests.get("gone#0") is None
-        assert report.load is None or report.load.free_pages == host.engine.allocator.num_usable
-        assert load_before is None or load_before.requests in (0, 1)
-    finally:
-        host.stop()
-        thread.join(10)
+        assert report.load.requests == 0 and report.load.free_pages == usable
 
 
 def test_shards_that_never_arrive_refuse_the_hand_off(ray_local, config):
     first, kv, _ = _handed_off(config)
-    host, thread = _host(config)
+    shard = _slowly.remote(kv, 30.0)
     try:
-        shard = _slowly.remote(kv, 30.0)
-        host.put(1, [Prefilled("late#0", PROMPT, first, GREEDY, 0, [], "object_store", (shard,), 0.5)])
-        seen = _tokens_by_request(host, lambda seen: "late#0" in seen, timeout_s=10.0)
-        (what,) = [w for _, _, w in seen["late#0"]]
-        assert what.startswith("refused: transfer_failed") and "not available after 0.5s" in what
-        assert host.engine.requests.get("late#0") is None
+        with _running_host(config) as host:
+            host.put(1, [Prefilled("late#0", PROMPT, first, GREEDY, 0, [], "object_store", (shard,), 0.5)])
+            seen = _tokens_by_request(host, lambda seen: "late#0" in seen, timeout_s=10.0)
+            (what,) = [w for _, _, w in seen["late#0"]]
+            assert what.startswith("refused: transfer_failed") and "not available after 0.5s" in what
+            assert host.engine.requests.get("late#0") is None
     finally:
-        host.stop()
-        thread.join(10)
         ray.cancel(shard, force=True)

@@ -74,13 +74,7 @@ class _HostRows:
     top_ks: np.ndarray  # (B,) int64
     greedy: np.ndarray  # (B,) int64, 1 for greedy rows
     floats: np.ndarray  # (3B,) int32: float32 bits of temperature, top_p, min_p
-    all_greedy: bool
-    any_greedy: bool
-    needs_sort: bool
-    needs_top_p: bool
-    needs_min_p: bool
-    topk_width: int | None
-    want_logprobs: bool
+    flags: tuple  # SamplingBatch's host flags, in its field order (all_greedy .. want_logprobs)
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], k_off: int) -> _HostRows:
@@ -96,8 +90,8 @@ class _HostRows:
         return cls(np.array(top_ks, dtype=np.int64), np.array(greedy, dtype=np.int64),
                    # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
                    np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32),
-                   all(greedy), any(greedy), needs_sort, needs_top_p, any(m > 0 for m in min_ps), topk_width,
-                   any(logprobs))
+                   (all(greedy), any(greedy), needs_sort, needs_top_p, any(m > 0 for m in min_ps), topk_width,
+                    any(logprobs)))
 
 
 class SamplingRows:
@@ -190,10 +184,7 @@ class SamplingBatch:
         (dev,) = staging.stage([packed])
         dev = dev.view(7, n)
         f = dev[4:].to(torch.int32).view(torch.float32)
-        return cls(temperature=f[0], top_k=dev[0], top_p=f[1], min_p=f[2], seeds=dev[1], steps=dev[2],
-                   greedy_mask=dev[3].bool(), all_greedy=host.all_greedy, any_greedy=host.any_greedy,
-                   needs_sort=host.needs_sort, needs_top_p=host.needs_top_p, needs_min_p=host.needs_min_p,
-                   topk_width=host.topk_width, want_logprobs=host.want_logprobs)
+        return cls(f[0], dev[0], f[1], f[2], dev[1], dev[2], dev[3].bool(), *host.flags)
 
 
 def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
