@@ -93,17 +93,30 @@ def _closed(base: str) -> float:
     return total(scrape(base), "graphfleet_api_rejected_total", reason="client_closed")
 
 
-def test_a_client_gone_before_its_body_is_a_quiet_499(base):
-    before = _closed(base)
+def _vanish(base: str, hold_s: float) -> None:
+    """Send a request's headers and the start of its body, wait ``hold_s``, and hang up."""
     host, port = host_port(base)
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: 100000\r\n\r\n".encode() + b'{"model": "tiny", "prompt": "')
-        time.sleep(0.5)  # the proxy has handed the request to the replica, which waits for the body
-    end = time.monotonic() + 20
-    while _closed(base) < before + 1:
-        assert time.monotonic() < end, "the vanished client's request was not counted as client_closed"
-        time.sleep(0.2)
-    assert _closed(base) == before + 1
+        time.sleep(hold_s)
+
+
+def test_a_client_gone_before_its_body_is_a_quiet_499(base):
+    """Counted once the request has reached the replica. A client that hangs up before Serve's proxy
+    has handed its request over (a busy proxy takes longer than the first hold) never reaches the
+    API, so it is tried again, holding on longer."""
+    before = _closed(base)
+    attempts = 0
+    for hold_s in (0.5, 2.0, 5.0):
+        attempts += 1
+        _vanish(base, hold_s)
+        end = time.monotonic() + 10
+        while _closed(base) < before + 1 and time.monotonic() < end:
+            time.sleep(0.2)
+        if _closed(base) >= before + 1:
+            break
+    assert before + 1 <= _closed(base) <= before + attempts, \
+        "the vanished client's request was not counted as client_closed"
     status, answer, _ = _http("POST", f"{base}/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2})
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
