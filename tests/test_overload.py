@@ -34,8 +34,9 @@ from tests.serve_harness import http as _http
 
 BURST = 320  # above Serve's old cap of 256 requests at once on the replica
 BURST_TOKENS = 96
-#: /health through the proxy while the burst runs (measured: see the module docstring).
-HEALTH_BOUND_S = 2.5
+#: /health through the proxy while the burst runs (measured: see the module docstring; 2.7 s once on a
+#: slow CI machine). With Serve's old cap of 256 the worst answer took 10.5 s.
+HEALTH_BOUND_S = 5.0
 APP_OVERRIDES = [*OVERRIDES, "scheduler.max_running_requests=64", "graphs.decode.max_batch_size=64",
                  "cache.num_pages=1024"]
 

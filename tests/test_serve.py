@@ -150,7 +150,8 @@ def test_stream_interval_follows_the_open_streams(client, reference, server):
     assert "".join(c.choices[0].text for c in texts) == ref.text
     counts = [c.usage.completion_tokens for c in texts]
     assert counts[-1] == max_tokens and counts == sorted(counts)
-    assert lone_gap < 0.025, f"a lone stream's chunks came {lone_gap * 1e3:.1f} ms apart (median)"
+    # Below the 50 ms ceiling a fixed interval would impose (the CPU's own step, ~5-28 ms, sets the pace).
+    assert lone_gap < 0.040, f"a lone stream's chunks came {lone_gap * 1e3:.1f} ms apart (median)"
 
     results: list = [None] * streams
 
