@@ -43,8 +43,12 @@ def summarize(outcomes: list[Outcome], references: list[str], faults: list[Fault
     equal = [o for o in complete if o.text == references[o.prompt]]
     gave_up = [o for o in greedy if o.error and "given up" in o.error]
     answered = equal if text_check == "exact" else complete
-    lost = [o for o in greedy if o not in answered and o not in gave_up and not o.hung]
-    diverged = [o for o in complete if o not in equal]
+    # Membership by identity: a dataclass ``in`` a list compares every field, quadratic over a GPU soak's
+    # 40,000 outcomes (hours; it cost a finished 10-minute soak its JSON).
+    settled = {id(o) for o in answered} | {id(o) for o in gave_up}
+    lost = [o for o in greedy if id(o) not in settled and not o.hung]
+    equal_ids = {id(o) for o in equal}
+    diverged = [o for o in complete if id(o) not in equal_ids]
     bad = [o for o in outcomes if o.kind == "bad"]
     bad_wrong = [o for o in bad if not (400 <= o.status < 500 and o.error and ": " in o.error) or o.hung]
     ttft_in, ttft_out, tpot_in, tpot_out = [], [], [], []

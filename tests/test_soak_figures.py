@@ -65,3 +65,12 @@ def test_given_up_and_hung_are_not_lost_but_hung_is_a_violation():
 def test_an_unknown_text_check_is_refused():
     with pytest.raises(ValueError, match="text_check must be one of"):
         _figures([], "roughly")
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_sized_soak_is_summarized_in_linear_time():
+    """A 10-minute GPU soak ends with ~40,000 outcomes; list membership on them was quadratic (hours)."""
+    n = 60_000
+    outcomes = [_greedy(i % 2, REF[i % 2] if i % 3 else "elsewhere", float(i % 300)) for i in range(n)]
+    f = _figures(outcomes, "exact")
+    assert (f["greedy"], f["greedy_equal"], f["lost"]) == (n, n - n // 3, n // 3)
