@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
+import json
+import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,7 +58,8 @@ from bench.soak_figures import TEXT_CHECKS, print_summary, summarize, violations
 from bench.soak_load import LoadSpec, Outcome, make_prompts, measure_capacity, references, run_load, settle  # noqa: E402
 
 __all__ = ["CPU_OVERRIDES", "FLEET", "GROUPS", "TEXT_CHECKS", "Fault", "FaultRecord", "LoadSpec", "Outcome",
-           "default_faults", "main", "make_prompts", "print_summary", "soak", "summarize", "violations"]
+           "default_faults", "keep_outcomes", "main", "make_prompts", "print_summary", "soak", "summarize",
+           "violations"]
 
 #: The CPU soak's config: the tiny checkpoint, a small cache, a step timeout a SIGSTOP can pass, and a
 #: prefill backend whose capture takes seconds on the CPU (torch.compile of the pieces), so that
@@ -80,6 +85,7 @@ def soak(base: str, spec: LoadSpec, faults: list[Fault], stop_s: float, text_che
     injector.start()
     outcomes = asyncio.run(run_load(base, spec))
     injector.join(timeout=injector.wait_s * 2)
+    keep_outcomes(outcomes, injector.records)
     usage = asyncio.run(settle(base))
     try:
         pid_after = replica_pid()
@@ -93,6 +99,23 @@ def soak(base: str, spec: LoadSpec, faults: list[Fault], stop_s: float, text_che
     }
     extra["rss_growth_mb"] = (extra["rss_end_mb"] or rss_start) - rss_start
     return summarize(outcomes, refs, injector.records, extra, spec.max_tokens, text_check)
+
+
+def keep_outcomes(outcomes: list[Outcome], faults: list[FaultRecord]) -> Path | None:
+    """Write every outcome and fault record to ``$OUT`` (gzip, one JSON object a line) before the figures.
+
+    A GPU soak runs ten minutes on borrowed time; whatever happens after the load, its raw record
+    comes back and the figures can be computed again here."""
+    out = os.environ.get("OUT")
+    if not out:
+        return None
+    path = Path(out, f"soak-outcomes-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.jsonl.gz")
+    with gzip.open(path, "wt") as f:
+        for record in faults:
+            f.write(json.dumps({"fault": asdict(record)}) + "\n")
+        for o in outcomes:
+            f.write(json.dumps(asdict(o)) + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 
-from bench.soak import FaultRecord, Outcome, summarize, violations
+from bench.soak import FaultRecord, Outcome, keep_outcomes, summarize, violations
 
 REF = ["the fleet sails", "at dawn"]
 MAX_TOKENS = 3
@@ -74,3 +77,16 @@ def test_a_gpu_sized_soak_is_summarized_in_linear_time():
     outcomes = [_greedy(i % 2, REF[i % 2] if i % 3 else "elsewhere", float(i % 300)) for i in range(n)]
     f = _figures(outcomes, "exact")
     assert (f["greedy"], f["greedy_equal"], f["lost"]) == (n, n - n // 3, n // 3)
+
+
+def test_the_raw_outcomes_come_back_before_the_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    fault = FaultRecord("kill", "decode", at=100.0, ready_again=110.0, hits=[])
+    outcomes = [_greedy(0, REF[0], 10.0), _greedy(1, "at dusk", 105.0)]
+    path = keep_outcomes(outcomes, [fault])
+    with gzip.open(path, "rt") as f:
+        lines = [json.loads(line) for line in f]
+    assert lines[0]["fault"]["kind"] == "kill"
+    back = [Outcome(**d) for d in lines[1:]]
+    assert back == outcomes
+    assert _figures(back, "exact")["lost"] == 1
