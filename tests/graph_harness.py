@@ -86,7 +86,7 @@ def pad_decode_batch(batch: AttentionBatch, rows: int) -> AttentionBatch:
         raise ValueError(f"cannot pad a batch of {batch.num_rows} rows to {rows}")
     dummy = [PagedKVCache.DUMMY_PAGE]
     return AttentionBatch(False, batch.seq_lens + [1] * pad, batch.query_lens + [1] * pad,
-                          batch.page_tables + [dummy] * pad, rows)
+                          batch.page_tables.tolist() + [dummy] * pad, rows)
 
 
 def pad_prefill_batch(batch: AttentionBatch, tokens: int, slots: int) -> AttentionBatch:
@@ -102,4 +102,4 @@ def pad_prefill_batch(batch: AttentionBatch, tokens: int, slots: int) -> Attenti
     if tokens < batch.num_tokens:
         raise ValueError(f"cannot pad {batch.num_tokens} tokens down to {tokens}")
     return AttentionBatch(True, batch.seq_lens + [0] * pad, batch.query_lens + [0] * pad,
-                          batch.page_tables + [[] for _ in range(pad)], tokens)
+                          batch.page_tables.tolist() + [[] for _ in range(pad)], tokens)

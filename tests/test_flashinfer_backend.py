@@ -90,7 +90,7 @@ def real_rows(batch: AttentionBatch) -> int:
     """Tokens whose output is checked: decode padding rows and prefill tail padding are excluded."""
     if batch.is_prefill:
         return sum(batch.query_lens)
-    return sum(1 for t in batch.page_tables if t != [DUMMY])
+    return sum(1 for t in batch.page_tables.tolist() if t != [DUMMY])
 
 
 def check(backend: FlashInferBackend, batch: AttentionBatch, q, k, v, out: torch.Tensor) -> None:
@@ -122,11 +122,12 @@ def capture(backend: FlashInferBackend, q, k, v) -> tuple[torch.cuda.CUDAGraph, 
 def test_metadata_sentinel_rows_are_empty_requests():
     batch = AttentionBatch(True, [33, 0, 16, 5], [13, 0, 16, 5], [[7, 3, 9], [], [2, 8], [4]], 36)
     qo, kv, last, indices, locations = build_metadata(batch, PAGE)
+    qo, kv, last, indices = qo.tolist(), kv.tolist(), last.tolist(), indices.tolist()
     assert qo == [0, 13, 13, 29, 34]
     assert kv == [0, 3, 3, 4, 5]
     assert last == [1, 0, 16, 5]
     assert indices == [7, 3, 9, 2, 4]  # only the pages covering seq_len
-    assert locations == kv_write_locations(batch, PAGE) and len(locations) == 36
+    assert locations.tolist() == kv_write_locations(batch, PAGE).tolist() and len(locations) == 36
     # flashinfer's kv length: 0 without pages, else (pages - 1) * page_size + last_page_len
     lengths = [0 if kv[i + 1] == kv[i] else (kv[i + 1] - kv[i] - 1) * PAGE + last[i] for i in range(4)]
     assert lengths == batch.seq_lens

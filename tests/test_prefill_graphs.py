@@ -43,7 +43,7 @@ def test_slot_and_sentinel_layout(requests):
     assert padded.num_rows == slots and padded.num_tokens == 64
     assert padded.seq_lens[: live.num_rows] == live.seq_lens
     sentinels = range(live.num_rows, slots)
-    assert all(padded.seq_lens[i] == 0 and padded.query_lens[i] == 0 and padded.page_tables[i] == []
+    assert all(padded.seq_lens[i] == 0 and padded.query_lens[i] == 0 and padded.page_tables[i].size == 0
                for i in sentinels)
     if requests > slots:
         too_many = AttentionBatch.prefill([5] * requests, [1] * requests, [[1]] * requests)

@@ -26,6 +26,7 @@ from worker.executor import Executor
 from worker.kv_cache import PageAllocator
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestEvent, RequestOutput, StepStats
+from worker.page_table import PageTable
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
@@ -190,7 +191,7 @@ class Engine:
         full = self.no_room_for_prefilled(num_kv)
         if full is not None:
             raise RequestRejected(full)
-        req.pages = self.allocator.allocate(req.pages_needed(num_kv, self.config.cache.page_size))
+        req.pages = PageTable(self.allocator.allocate(req.pages_needed(num_kv, self.config.cache.page_size)))
         try:
             import_kv(list(req.pages))
         except BaseException:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from worker.page_table import PageTable
 from worker.sampling.params import SamplingParams
 
 
@@ -34,7 +35,7 @@ class Request:
     arrival: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: PageTable = field(default_factory=PageTable)
     num_computed: int = 0
     num_pending: int = 0  # tokens sampled by steps in flight, not yet read back (async scheduling)
     prefilling: bool = True

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from worker.kv_cache import PageAllocator
+from worker.page_table import PageTable
 from worker.request import Request, Status
 
 
@@ -150,7 +151,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s pages and send it back to the front of the waiting queue."""
         self.allocator.free(req.pages)
-        req.pages = []
+        req.pages = PageTable()
         req.num_computed = 0
         req.num_pending = 0  # what steps in flight sample for it is dropped (its preemption count moved on)
         req.prefilling = True
@@ -176,6 +177,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.allocator.free(req.pages)
-        req.pages = []
+        req.pages = PageTable()
         req.status = Status.FINISHED
         req.finish_reason = reason

@@ -1,8 +1,9 @@
 """The step message: one scheduled batch as plain host data, sent to every rank.
 
-A message is a few lists of ints (token ids, positions, page tables) plus the sampling
-parameters of the sampled rows: small enough to pickle once per step and hand to every
-tensor-parallel rank through Ray's object store, and independent of the scheduler's objects.
+A message is a few lists of ints (token ids, positions), the page tables (one int32 array in CSR
+form, :class:`~worker.page_table.PageRows`) and the sampling parameters of the sampled rows: small
+enough to pickle once per step and hand to every tensor-parallel rank, and independent of the
+scheduler's objects.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 from worker.attention.base import AttentionBatch
+from worker.page_table import PageRows
 from worker.sampling.params import SamplingParams
 from worker.scheduler import ScheduledBatch
 
@@ -24,7 +26,7 @@ class StepMessage:
     positions: list[int]
     seq_lens: list[int]
     query_lens: list[int]
-    page_tables: list[list[int]]
+    page_tables: PageRows
     logits_rows: list[int]
     params: list[SamplingParams]
     seeds: list[int]
@@ -120,8 +122,8 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
             params.append(req.params)
             steps.append(len(req.output_ids) + req.num_pending)
     return StepMessage(batch.is_prefill, ids, positions, [s + n for s, n in zip(batch.start, batch.num_new)],
-                       list(batch.num_new), [list(r.pages) for r in batch.requests], rows, params, list(seeds),
-                       steps, return_logits, from_previous)
+                       list(batch.num_new), PageRows.gather([r.pages for r in batch.requests]), rows, params,
+                       list(seeds), steps, return_logits, from_previous)
 
 
 def _decode_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool,
@@ -149,5 +151,5 @@ def _decode_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool
         steps.append(len(out) + pending)
     n = len(ids)
     return StepMessage(False, ids, list(batch.start), [s + 1 for s in batch.start], [1] * n,
-                       [list(r.pages) for r in batch.requests], list(range(n)), [r.params for r in batch.requests],
-                       list(seeds), steps, return_logits, from_previous)
+                       PageRows.gather([r.pages for r in batch.requests]), list(range(n)),
+                       [r.params for r in batch.requests], list(seeds), steps, return_logits, from_previous)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from worker.kv_cache import PagedKVCache
+from worker.page_table import PageRows
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class AttentionBatch:
 
     Row ``i`` appends ``query_lens[i]`` new tokens so that the request holds ``seq_lens[i]``
     tokens in the cache afterwards; its pages are ``page_tables[i]`` (covering ``seq_lens[i]``).
-    Tokens are laid out request after request in the flat token dimension.
+    Tokens are laid out request after request in the flat token dimension. ``page_tables`` is a
+    :class:`~worker.page_table.PageRows`; any sequence of page lists given is gathered into one.
     ``num_tokens`` may exceed ``sum(query_lens)``: the tail tokens are padding whose KV goes to
     the dummy page and whose attention output is never read.
 
@@ -45,10 +48,12 @@ class AttentionBatch:
     is_prefill: bool
     seq_lens: list[int]
     query_lens: list[int]
-    page_tables: list[list[int]]
+    page_tables: PageRows
     num_tokens: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.page_tables, PageRows):
+            self.page_tables = PageRows.gather(self.page_tables)
         n = len(self.seq_lens)
         if len(self.query_lens) != n or len(self.page_tables) != n:
             raise ValueError("seq_lens, query_lens and page_tables must have one entry per row")
@@ -60,12 +65,12 @@ class AttentionBatch:
         return len(self.seq_lens)
 
     @classmethod
-    def decode(cls, seq_lens: list[int], page_tables: list[list[int]]) -> AttentionBatch:
+    def decode(cls, seq_lens: list[int], page_tables: PageRows | list[list[int]]) -> AttentionBatch:
         return cls(False, list(seq_lens), [1] * len(seq_lens), page_tables, len(seq_lens))
 
     @classmethod
     def prefill(
-        cls, seq_lens: list[int], query_lens: list[int], page_tables: list[list[int]]
+        cls, seq_lens: list[int], query_lens: list[int], page_tables: PageRows | list[list[int]]
     ) -> AttentionBatch:
         return cls(True, list(seq_lens), list(query_lens), page_tables, sum(query_lens))
 
@@ -75,20 +80,54 @@ class AttentionBatch:
         return cls(True, [tokens], [tokens], [[PagedKVCache.DUMMY_PAGE] * -(-tokens // page_size)], tokens)
 
 
-def kv_write_locations(batch: AttentionBatch, page_size: int, num_tokens: int | None = None) -> list[int]:
-    """Flat KV-cache location (``page * page_size + offset``) for every token of ``batch``, padding included.
+def row_geometry(batch: AttentionBatch, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(seq_lens, query_lens, pages_needed)`` of ``batch``'s rows as int64 arrays, checked: every
+    row has ``0 <= query_len <= seq_len`` and at least the ``ceil(seq_len / page_size)`` pages that
+    cover it (a row's pages past those are allowed and unused)."""
+    seq = np.array(batch.seq_lens, dtype=np.int64)
+    q = np.array(batch.query_lens, dtype=np.int64)
+    if (q < 0).any() or (seq < q).any():
+        i = int(np.flatnonzero((q < 0) | (seq < q))[0])
+        raise ValueError(f"row {i}: query_len={int(q[i])} must be in [0, seq_len={int(seq[i])}]")
+    need = (seq + (page_size - 1)) // page_size
+    have = batch.page_tables.lengths()
+    if (have < need).any():
+        i = int(np.flatnonzero(have < need)[0])
+        raise ValueError(f"row {i}: seq_len={int(seq[i])} needs {int(need[i])} pages, page table has {int(have[i])}")
+    return seq, q, need
+
+
+def kv_write_locations(batch: AttentionBatch, page_size: int, num_tokens: int | None = None) -> np.ndarray:
+    """Flat KV-cache location (``page * page_size + offset``) for every token of ``batch``, padding
+    included, as an int64 array.
 
     Tokens past the rows' query tokens, up to ``num_tokens`` (default ``batch.num_tokens``), write
     to the start of the dummy page; so do decode padding rows (one token at position 0 of the
     dummy page each), which therefore need no rows of their own here.
     """
-    locations: list[int] = []
-    for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
-        for pos in range(seq_len - q_len, seq_len):
-            locations.append(pages[pos // page_size] * page_size + pos % page_size)
-    pad = (batch.num_tokens if num_tokens is None else num_tokens) - len(locations)
-    locations.extend([PagedKVCache.DUMMY_PAGE * page_size] * pad)
-    return locations
+    seq, q, _ = row_geometry(batch, page_size)
+    return locations_of(batch.page_tables, seq, q, page_size, batch.num_tokens if num_tokens is None else num_tokens)
+
+
+def locations_of(rows: PageRows, seq: np.ndarray, q: np.ndarray, page_size: int, num_tokens: int) -> np.ndarray:
+    """:func:`kv_write_locations` of rows already checked by :func:`row_geometry`."""
+    one_each = bool(q.size) and bool((q == 1).all())
+    live = len(q) if one_each else int(q.sum())
+    out = np.empty(max(num_tokens, live), dtype=np.int64)
+    out[live:] = PagedKVCache.DUMMY_PAGE * page_size
+    if one_each:  # one token a row (decode): at position seq - 1
+        pos = seq - 1
+        out[:live] = rows.indices[rows.indptr[:-1] + pos // page_size]
+    elif live:
+        starts = np.zeros(len(q), dtype=np.int64)
+        np.cumsum(q[:-1], out=starts[1:])
+        # token t of row r sits at position seq[r] - q[r] + (t - starts[r]) of its sequence
+        pos = np.arange(live, dtype=np.int64) + np.repeat(seq - q - starts, q)
+        out[:live] = rows.indices[np.repeat(rows.indptr[:-1], q) + pos // page_size]
+    if live:
+        out[:live] *= page_size
+        out[:live] += pos % page_size
+    return out
 
 
 class AttentionBackend(ABC):

@@ -37,7 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, kv_write_locations
+from worker.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionShape,
+    locations_of,
+    row_geometry,
+)
 from worker.kv_cache import PagedKVCache
 
 INSTALL_HINT = "flashinfer is not installed; install graphfleet[gpu] or set attention.backend=torch"
@@ -53,26 +59,27 @@ def _import_flashinfer() -> Any:
 
 
 def build_metadata(batch: AttentionBatch, page_size: int
-                   ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-    """Host-side flashinfer CSR metadata for ``batch``.
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Host-side flashinfer CSR metadata for ``batch``, as int64 arrays (``indices`` int32).
 
     Returns ``(qo_indptr, kv_indptr, last_page_len, indices, locations)``. A row with ``seq_len=0``
     (prefill sentinel) gets zero pages and ``last_page_len=0``, which flashinfer reads as an
     empty request both on the host (``get_seq_lens``) and in its kernels; otherwise
     ``1 <= last_page_len <= page_size``.
     """
-    qo, kv, last, indices = [0], [0], [], []
-    for i, (seq_len, q_len, pages) in enumerate(zip(batch.seq_lens, batch.query_lens, batch.page_tables, strict=True)):
-        if q_len < 0 or seq_len < q_len:
-            raise ValueError(f"row {i}: query_len={q_len} must be in [0, seq_len={seq_len}]")
-        n = -(-seq_len // page_size)
-        if len(pages) < n:
-            raise ValueError(f"row {i}: seq_len={seq_len} needs {n} pages, page table has {len(pages)}")
-        indices.extend(pages[:n])
-        qo.append(qo[-1] + q_len)
-        kv.append(kv[-1] + n)
-        last.append(seq_len - (n - 1) * page_size if n else 0)
-    return qo, kv, last, indices, kv_write_locations(batch, page_size)
+    seq, q, need = row_geometry(batch, page_size)
+    rows = batch.page_tables
+    qo = np.zeros(len(seq) + 1, dtype=np.int64)
+    kv = np.zeros(len(seq) + 1, dtype=np.int64)
+    np.cumsum(q, out=qo[1:])
+    np.cumsum(need, out=kv[1:])
+    last = seq - (need - 1) * page_size
+    last[need == 0] = 0
+    if kv[-1] == len(rows.indices) and (need == np.diff(rows.indptr)).all():  # pages cover exactly the tokens
+        indices = rows.indices
+    else:  # only the pages covering seq_len
+        indices = rows.indices[np.repeat(rows.indptr[:-1] - kv[:-1], need) + np.arange(kv[-1], dtype=np.int64)]
+    return qo, kv, last, indices, locations_of(rows, seq, q, page_size, batch.num_tokens)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -223,6 +230,7 @@ class FlashInferBackend(AttentionBackend):
         if not batch.is_prefill and (any(q != 1 for q in batch.query_lens) or min(batch.seq_lens, default=1) < 1):
             raise ValueError("decode rows must have query_len=1 and seq_len>=1 (padding: dummy page, seq_len=1)")
         qo, kv, last, indices, locations = build_metadata(batch, self.page_size)
+        q_total, kv_total = int(qo[-1]), int(kv[-1])
         live, pad = batch.num_rows, rows - batch.num_rows
         num_indices = len(indices) + (0 if batch.is_prefill else pad)  # a decode padding row has one page
         if num_indices > self.max_num_indices:
@@ -242,12 +250,12 @@ class FlashInferBackend(AttentionBackend):
         qo_pad, kv_pad = off["qo_indptr"] + live + 1, off["kv_indptr"] + live + 1
         last_pad = off["last_page_len"] + live
         if batch.is_prefill:  # sentinels: no query tokens, no pages, last_page_len 0
-            h[qo_pad: qo_pad + pad] = qo[-1]
-            h[kv_pad: kv_pad + pad] = kv[-1]
+            h[qo_pad: qo_pad + pad] = q_total
+            h[kv_pad: kv_pad + pad] = kv_total
             h[last_pad: last_pad + pad] = 0
         else:  # one query token each, on one dummy page holding one token
-            h[qo_pad: qo_pad + pad] = np.arange(qo[-1] + 1, qo[-1] + pad + 1)
-            h[kv_pad: kv_pad + pad] = np.arange(kv[-1] + 1, kv[-1] + pad + 1)
+            h[qo_pad: qo_pad + pad] = np.arange(q_total + 1, q_total + pad + 1)
+            h[kv_pad: kv_pad + pad] = np.arange(kv_total + 1, kv_total + pad + 1)
             h[last_pad: last_pad + pad] = 1
             indices_pad = off["indices"] + len(indices)
             h[indices_pad: indices_pad + pad] = PagedKVCache.DUMMY_PAGE
@@ -265,7 +273,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(hv["qo_indptr"][: rows + 1], hv["kv_indptr"][: rows + 1],
                          self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, causal=True, **common)
-            self._num_q = qo[-1]
+            self._num_q = q_total
         else:
             wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)

@@ -8,6 +8,7 @@ keep torch prefill attention in an eager break.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, kv_write_locations
@@ -29,7 +30,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.locations = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.page_table = torch.zeros((max_num_rows, max_pages_per_row), dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(max_num_rows, dtype=torch.int64, device=dev)
-        self._prefill_rows: list[tuple[int, int, int, list[int]]] = []
+        self._prefill_rows: list[tuple[int, int, int, np.ndarray]] = []
         self._is_prefill = False
         self._decode_width = max_pages_per_row
 
@@ -42,7 +43,7 @@ class TorchAttentionBackend(AttentionBackend):
                              f"the planned maximum {self.max_num_rows} / {self.max_num_tokens}")
         ps = self.kv_cache.page_size
         self._is_prefill = batch.is_prefill
-        self.locations[:num_tokens].copy_(torch.tensor(kv_write_locations(batch, ps, num_tokens), dtype=torch.int64))
+        self.locations[:num_tokens].copy_(torch.from_numpy(kv_write_locations(batch, ps, num_tokens)[:num_tokens]))
         if batch.is_prefill:  # sentinel rows attend to nothing: only the batch's rows are kept
             rows, offset = [], 0
             for seq_len, q_len, pages in zip(batch.seq_lens, batch.query_lens, batch.page_tables):
@@ -56,7 +57,7 @@ class TorchAttentionBackend(AttentionBackend):
         for i, pages in enumerate(batch.page_tables):
             if len(pages) > self.max_pages_per_row:
                 raise ValueError(f"row {i} has {len(pages)} pages; at most {self.max_pages_per_row}")
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            table[i, : len(pages)] = torch.from_numpy(pages)
         table[live:, 0] = PagedKVCache.DUMMY_PAGE  # padding rows: one token on the dummy page
         seq_lens = torch.ones(num_rows, dtype=torch.int64)
         seq_lens[:live] = torch.tensor(batch.seq_lens, dtype=torch.int64)
@@ -104,7 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(self, cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         for offset, q_len, seq_len, pages in self._prefill_rows:
-            k, v = self._gather(cache, torch.tensor([pages], device=q.device))
+            k, v = self._gather(cache, torch.as_tensor(pages, dtype=torch.int64, device=q.device)[None])
             k, v = k[:, :seq_len], v[:, :seq_len]
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = (torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]).unsqueeze(0)
