@@ -5,7 +5,8 @@ leader's worker, so a step costs no round trip between the fleet and the ranks: 
 each step to its followers (:mod:`cluster.step_channel`) and runs it itself. The fleet talks to the
 engine only through two queues:
 
-- *commands in*: numbered batches (:class:`cluster.group_messages.Admit`, ``Prefilled``, ``Abort``)
+- *commands in*: numbered batches (:class:`cluster.group_messages.Admit`, ``Prefilled``, ``Abort``,
+  ``Replan``)
   put by a Ray call on a thread of their own, applied by the loop in number order between steps;
 - *reports out*: what the loop did since the last take (:class:`cluster.group_messages.GroupReport`),
   taken by the report link's thread (:mod:`cluster.report_link`) and sent to the fleet; one report
@@ -27,7 +28,17 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cluster.group_messages import Abort, Admit, EngineLoad, GroupReport, Prefilled, Refused, Staged
+from cluster.group_messages import (
+    Abort,
+    Admit,
+    EngineLoad,
+    GroupReport,
+    Prefilled,
+    Refused,
+    Replan,
+    Replanned,
+    Staged,
+)
 from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
 from cluster.threads import name_os_thread
 from worker.engine import Engine
@@ -151,6 +162,8 @@ class EngineHost:
             self._admit(command)
         elif isinstance(command, Prefilled):
             self._admit_prefilled(command)
+        elif isinstance(command, Replan):
+            self._replan(command)
         elif isinstance(command, Abort):
             if self._resolving.pop(command.engine_id, None) is not None:
                 return  # its KV had not arrived: nothing was admitted, nothing to release
@@ -158,6 +171,16 @@ class EngineHost:
                 self.engine.release(command.engine_id)
         else:
             raise TypeError(f"unknown command {type(command).__name__}")
+
+    def _replan(self, c: Replan) -> None:
+        outcome = self.engine.replan()
+        summary = outcome.summary.to_dict() if outcome.summary is not None else None
+        if summary is not None:
+            log.info("group re-planned its graphs in %.2f s: %s", summary["seconds"], summary["line"])
+        else:
+            log.warning("graph re-plan refused: %s", outcome.error)
+        self._pending.replans.append(Replanned(c.replan_id, summary, outcome.error))
+        self._publish(outcome.events)
 
     def _admit(self, c: Admit) -> None:
         on_first_token = self._stage_for_hand_off if c.hand_off else None
@@ -285,9 +308,10 @@ class EngineHost:
             r.staged.update(p.staged)
             r.accepted.extend(p.accepted)
             r.refused.extend(p.refused)
+            r.replans.extend(p.replans)
             changed = r.load != load
             r.load, r.applied = load, self._applied  # the load as of these batches, never of later ones
-            if p.events or p.staged or p.accepted or p.refused or changed:
+            if p.events or p.staged or p.accepted or p.refused or p.replans or changed:
                 self._new = True
                 self._cond.notify_all()
 

@@ -54,6 +54,23 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Replan:
+    """Re-plan the group's graph ladders from what it has run, between two steps (every rank)."""
+
+    replan_id: str
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """A :class:`Replan`'s result: the summary (:meth:`worker.worker.ReplanSummary.to_dict`) or why it
+    was refused."""
+
+    replan_id: str
+    summary: dict | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Staged:
     """A request's KV, copied on every rank under ``transfer_id`` for a hand-off (or ``error``)."""
 
@@ -96,7 +113,7 @@ class GroupReport:
     ``applied``: the number of the last command batch applied before ``load`` was taken (0 with no
     ``load``: nothing to say);
     ``step_s``: how long the step running now has run (0 when none runs); ``loop_error``: the
-    engine loop ended with this error (the group is dead).
+    engine loop ended with this error (the group is dead); ``replans``: re-plans done.
     """
 
     events: list[RequestEvent] = field(default_factory=list)
@@ -107,13 +124,15 @@ class GroupReport:
     applied: int = 0
     step_s: float = 0.0
     loop_error: str | None = None
+    replans: list[Replanned] = field(default_factory=list)
 
     def __reduce__(self):
         # The events travel as columns: pickle runs a Python-level reducer per dataclass, and the
         # leader's report thread pickles while holding the GIL its engine loop needs.
         return (_unpack_report, (events_to_wire(self.events), self.staged, self.accepted, self.refused, self.load,
-                                 self.applied, self.step_s, self.loop_error))
+                                 self.applied, self.step_s, self.loop_error, self.replans))
 
 
-def _unpack_report(events, staged, accepted, refused, load, applied, step_s, loop_error) -> GroupReport:
-    return GroupReport(events_from_wire(events), staged, accepted, refused, load, applied, step_s, loop_error)
+def _unpack_report(events, staged, accepted, refused, load, applied, step_s, loop_error, replans) -> GroupReport:
+    return GroupReport(events_from_wire(events), staged, accepted, refused, load, applied, step_s, loop_error,
+                       replans)

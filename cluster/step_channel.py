@@ -15,6 +15,8 @@ Invariants:
   timeout is long (:data:`IDLE_TIMEOUT`) because an idle group sends nothing. A dead leader
   closes the connection and ends the wait with an error; the driver kills the rest.
 - Only the leader's result counts: every rank samples the same tokens from the same logits.
+- A re-plan is an order like a step: every rank swaps its graphs between the same two steps,
+  from the leader's profile, with no step in flight (the leader's engine reads back first).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 #: How long a follower may wait for its next order (an idle group sends none).
 IDLE_TIMEOUT = timedelta(days=7)
 
-STEP, STAGE, IMPORT, STOP = "step", "stage", "import", "stop"
+STEP, STAGE, IMPORT, REPLAN, STOP = "step", "stage", "import", "replan", "stop"
 
 
 class StepChannel:
@@ -96,6 +98,18 @@ class LeaderExecutor:
     def execute(self, msg: StepMessage) -> StepResult:
         return self.submit(msg).result()
 
+    def replan(self, profile=None):
+        """Re-plan every rank's graphs from one profile (the leader's, unless given), all at once.
+
+        Every rank measures and captures together (a tensor-parallel forward runs collectives, even
+        while it is being measured), from the same profile and budget, so they keep the same shapes.
+        A refusal (``ValueError``) is the leader's to report; a follower that refuses keeps its graphs
+        and logs it, as the leader does (both refuse on the same numbers)."""
+        profile = profile if profile is not None else self.worker.profile()
+        if self.channel is not None:
+            self.channel.send((REPLAN, profile))
+        return self.worker.replan(profile)
+
     def shutdown(self) -> None:
         """Tell the followers to stop (the worker itself is the rank actor's to release)."""
         if self.channel is not None:
@@ -122,6 +136,11 @@ def follow(channel: StepChannel, worker, stage, import_shard) -> None:
         elif kind == IMPORT:
             _, pages, transport = order
             import_shard(pages, transport, channel.receive_scattered())
+        elif kind == REPLAN:
+            try:
+                worker.replan(order[1])
+            except ValueError as e:
+                log.info("re-plan refused on this rank (the leader reports it): %s", e)
         elif kind == STOP:
             return
         else:

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` gives server-sent
 events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /live`` (the replica's liveness),
-``GET /health`` (the fleet's readiness), ``GET /metrics``.
+``GET /health`` (the fleet's readiness), ``GET /metrics``, ``POST /admin/replan`` (re-plan the
+graph ladders live).
 Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -48,6 +49,8 @@ __all__ = ["ApiError", "build_app"]
 RETRY_AFTER_S = 1
 #: Seconds a ``/metrics`` scrape waits for the ranks' graph metrics.
 RANK_METRICS_TIMEOUT_S = 2.0
+#: Seconds ``POST /admin/replan`` waits for every group to capture its new ladders.
+REPLAN_TIMEOUT_S = 900.0
 
 
 def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
@@ -152,6 +155,27 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         metrics.observe_fleet(fleet.health())
         ranks = await asyncio.to_thread(fleet.rank_metrics, RANK_METRICS_TIMEOUT_S)
         return Response(merge_expositions(metrics.registry, ranks), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/replan")
+    async def replan(request: Request) -> JSONResponse:
+        """Re-plan every ready group's CUDA-graph ladders from the batches it has run, live
+        (:meth:`fleet.fleet.Fleet.replan`); needs the API key when one is set. 200 with each group's
+        result (ladders before and after, bytes, seconds, padding per step) when at least one group
+        re-planned; 409 naming why when none did."""
+        check_auth(request)
+        try:
+            groups = await asyncio.to_thread(fleet.replan, REPLAN_TIMEOUT_S)
+        except FleetClosed as e:
+            raise ApiError(503, str(e), "service_unavailable", code="fleet_closed") from e
+        except TimeoutError as e:
+            raise ApiError(504, str(e), "timeout_error", code="replan_timeout") from e
+        done = {gid: g for gid, g in groups.items() if "error" not in g}
+        for gid, g in groups.items():
+            log.info("re-plan of %s: %s", gid, g.get("line") or g.get("error"))
+        if not done:
+            why = "; ".join(f"{gid}: {g['error']}" for gid, g in groups.items()) or "the fleet has no groups"
+            raise ApiError(409, f"no group re-planned its graphs ({why})", "conflict_error", code="replan_refused")
+        return JSONResponse({"object": "graph_replan", "replanned": sorted(done), "groups": groups})
 
     # ----- API -----
 

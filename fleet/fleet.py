@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import ray
@@ -32,7 +33,7 @@ from cluster.rank import GroupState, GroupUnavailable, PlacementWait
 from cluster.threads import name_os_thread
 from fleet.config import FleetConfig, apply_fleet_options, group_layout, role_config
 from fleet.handle import FleetClosed, FleetLink, RequestHandle
-from fleet.loop import FleetLoop
+from fleet.loop import FleetLoop, PendingReplan
 from fleet.member import FleetMember
 from fleet.metrics import gather_rank_metrics
 from fleet.request import EventSink, FleetRequest
@@ -306,6 +307,29 @@ class Fleet:
                 request_id: str | None = None, timeout_s: float | None = None) -> AsyncIterator[RequestEvent]:
         """:meth:`stream` for asyncio: events are awaited on the caller's loop, never blocking it."""
         return _aevents(self.submit(prompt, params, request_id=request_id, timeout_s=timeout_s))
+
+    # ----- graphs -----
+
+    def replan(self, timeout_s: float | None = 600.0) -> dict[str, dict]:
+        """Re-plan every ready group's CUDA-graph ladders from the batches it has run, live.
+
+        Each group's engine reads back its step in flight, every rank of the group captures the new
+        ladders beside the old graphs (within the graph budget), swaps and releases the old, and the
+        group steps on; requests on it pause for the capture and continue token for token. Returns
+        per group the :class:`worker.worker.ReplanSummary` as a dict (ladders before and after,
+        resident and budget bytes, seconds, padding per step before and after) or ``{"error": why}``
+        (refused for want of budget, not ready, failed meanwhile). Raises :class:`FleetClosed` when
+        the fleet is shut down, ``TimeoutError`` past ``timeout_s``.
+        """
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                raise FleetClosed(f"the fleet is not running ({self._stopped_why()})")
+        pending = PendingReplan(f"replan-{next(self._ids)}")
+        self._loop.commands.put(("replan", pending))
+        try:
+            return pending.future.result(timeout_s)
+        except FutureTimeout as e:
+            raise TimeoutError(f"the re-plan did not finish within {timeout_s} s") from e
 
     # ----- observation -----
 

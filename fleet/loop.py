@@ -6,8 +6,8 @@ or a :class:`FleetRequest` runs here; clients talk to the loop through a command
 events from per-request queues, and each group's receiver thread (:mod:`fleet.group_client`)
 puts that group's reports and failures on the same queue. One iteration:
 
-1. apply what is queued: client commands (submit, abort), group reports (events, staged
-   hand-offs, admitted or refused hand-offs, load) and group failures;
+1. apply what is queued: client commands (submit, abort, replan), group reports (events, staged
+   hand-offs, admitted or refused hand-offs, re-plans done, load) and group failures;
 2. watch the groups: the requests of a group that is no longer ready (or whose generation is
    new) are moved back to the router (their KV is gone with the group) and re-prefilled
    elsewhere, or where their group restarts; requests that need a role whose every group is lost
@@ -30,9 +30,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from cluster.config import ClusterConfig
-from cluster.group_messages import Abort, Admit, GroupReport, Prefilled
+from cluster.group_messages import Abort, Admit, GroupReport, Prefilled, Replan
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from fleet.config import FleetConfig
@@ -44,6 +46,23 @@ from worker.outputs import FailureKind, RequestEvent
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclass
+class PendingReplan:
+    """A re-plan asked of every ready group (:meth:`fleet.fleet.Fleet.replan`): ``future`` gets each
+    group's result once every group asked has answered or left (failed, restarted)."""
+
+    replan_id: str
+    future: Future = field(default_factory=Future)
+    waiting: dict[str, int] = field(default_factory=dict)  # group id -> the generation asked
+    results: dict[str, dict] = field(default_factory=dict)
+
+    def settle(self, group_id: str, result: dict) -> None:
+        self.waiting.pop(group_id, None)
+        self.results[group_id] = result
+        if not self.waiting and not self.future.done():
+            self.future.set_result(dict(sorted(self.results.items())))
 
 class FleetLoop:
     """State and steps of the loop thread (see the module docstring)."""
@@ -66,6 +85,7 @@ class FleetLoop:
         self.health: dict = {}
         self.health_lock = threading.Lock()
         self.wakeups = Wakeups()  # the sinks of requests submitted to this loop defer their wake-ups here
+        self.replans: dict[str, PendingReplan] = {}
 
     # ----- the loop -----
 
@@ -83,6 +103,9 @@ class FleetLoop:
             self._drain()
             for fr in list(self.requests.values()):
                 self._fail(fr, FailureKind.FLEET_STOPPED, why)
+            for pending in self.replans.values():
+                for group_id in list(pending.waiting):
+                    pending.settle(group_id, {"error": why})
 
     def run_once(self) -> None:
         """One iteration. Readers are woken once per group report and at the end of the iteration
@@ -127,11 +150,36 @@ class FleetLoop:
             fr = self.requests.get(request_id)
             if fr is not None:
                 self._end(fr, "abort", error)
+        elif kind == "replan":
+            self._replan(arg)
         elif kind == "report":
             self._on_report(*arg)
         elif kind == "failed":
             client, generation, reason = arg
             client.group.fail(reason, generation)
+
+    def _replan(self, pending: PendingReplan) -> None:
+        """Ask every ready group to re-plan between its next two steps; the others are reported as such."""
+        for member in self.members:
+            if member.ready:
+                pending.waiting[member.group_id] = member.client.generation
+                member.client.send(Replan(pending.replan_id))
+            else:
+                pending.results[member.group_id] = {"error": f"group {member.group_id} is not ready "
+                                                             f"({member.group.state.value}): not re-planned"}
+        if pending.waiting:
+            self.replans[pending.replan_id] = pending
+        else:
+            pending.future.set_result(dict(sorted(pending.results.items())))
+
+    def _replan_left(self, member: FleetMember) -> None:
+        """``member`` is not ready (failed, or on a new generation): a re-plan asked of it gets no answer."""
+        for replan_id, pending in list(self.replans.items()):
+            if member.group_id in pending.waiting:
+                pending.settle(member.group_id, {"error": f"group {member.group_id} failed before it re-planned: "
+                                                          f"{member.group.last_error}"})
+            if not pending.waiting:
+                del self.replans[replan_id]
 
     # ----- ending and moving requests -----
 
@@ -185,6 +233,8 @@ class FleetLoop:
             member.observe(now)
             if member.ready:
                 continue
+            if self.replans:
+                self._replan_left(member)
             # The KV of every request on this group's engine went with it (or with its old
             # generation): re-prefill them (oldest first) here once it is back, or elsewhere.
             moved = sorted(member.assigned.values(), key=lambda fr: fr.submitted)
@@ -286,6 +336,12 @@ class FleetLoop:
         if generation != client.generation:
             return  # from a generation the loop has moved off (its requests were moved too)
         client.update(report)
+        for done in report.replans:
+            pending = self.replans.get(done.replan_id)
+            if pending is not None and member.group_id in pending.waiting:
+                pending.settle(member.group_id, done.summary if done.error is None else {"error": done.error})
+                if not pending.waiting:
+                    del self.replans[done.replan_id]
         for ev in report.events:
             fr = member.assigned.get(ev.request_id)
             if fr is None:  # ended or moved since: the engine's late news of it is dropped

@@ -81,9 +81,15 @@ def test_live_replan_between_steps_keeps_requests_correct(checkpoint_dir):
     for _ in range(6):
         engine.step()
     profile = BatchProfile(decode={6: 100, 3: 5})
-    line = engine.worker.replan(profile)
-    assert "graph budget" in line
+    assert engine.in_flight  # async scheduling: a step is sent and not read back
+    outcome = engine.replan(profile)
+    assert outcome.error is None and not engine.in_flight and outcome.events  # read back before the swap
+    summary = outcome.summary
+    assert "graph budget" in summary.line and summary.seconds > 0
     assert 6 in engine.worker.runner.decode_runner.ladder and engine.worker.runner.decode_runner.ladder != old_ladder
+    assert summary.before["decode"] == old_ladder and summary.after["decode"] == engine.worker.runner.decode_runner.ladder
+    # the profile's batches of 6 and 3 now replay unpadded
+    assert summary.padding_after["decode"] == 0 < summary.padding_before["decode"]
     while engine.has_unfinished():
         engine.step()
     assert [engine.output(i).token_ids for i in ids] == expected

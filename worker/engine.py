@@ -17,9 +17,11 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from graphs.profile import BatchProfile
 from worker.admission import PromptLimits, encode_prompt
 from worker.config import EngineConfig
 from worker.executor import Executor
@@ -32,10 +34,20 @@ from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
 from worker.step_pipeline import StepPipeline
 from worker.tokenizer import Tokenizer, load_tokenizer
-from worker.worker import Worker
+from worker.worker import ReplanSummary, Worker
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclass
+class ReplanOutcome:
+    """:meth:`Engine.replan`'s result: the events of the step read back before it, and the summary
+    (or why it was refused)."""
+
+    events: list[RequestEvent]
+    summary: ReplanSummary | None
+    error: str | None
 
 class Engine:
     """Continuous-batching inference: scheduler, step pipeline and output processor over an executor.
@@ -247,6 +259,21 @@ class Engine:
         :mod:`worker.step_pipeline`): its events are that batch's.
         """
         return self.pipeline.step()
+
+    def replan(self, profile: BatchProfile | None = None) -> ReplanOutcome:
+        """Re-plan the executor's graph ladders between steps (see :meth:`worker.worker.Worker.replan`).
+
+        The step in flight is read back first (its events are in the outcome), so the swap happens
+        with nothing running; the requests go on with the next :meth:`step`. A refused re-plan
+        (no room in the graph budget) changes nothing and is the outcome's ``error``."""
+        replan = getattr(self.executor, "replan", None)
+        if replan is None:
+            return ReplanOutcome([], None, f"{type(self.executor).__name__} cannot re-plan graphs")
+        events = self.pipeline.flush()
+        try:
+            return ReplanOutcome(events, replan(profile), None)
+        except ValueError as e:
+            return ReplanOutcome(events, None, str(e))
 
     def output(self, request_id: str) -> RequestOutput:
         """``request_id``'s tokens, text and finish reason so far (until :meth:`release`)."""

@@ -97,6 +97,18 @@ class StepPipeline:
         """One engine step: the events of the batch read back by it (see the module docstring)."""
         return self._async_step() if self.async_scheduling else self._sync_step()
 
+    def flush(self) -> list[RequestEvent]:
+        """Read back the step in flight, sending nothing after it (async scheduling); its events.
+
+        Afterwards no step is in flight, so the executor may change what the next step runs on
+        (a re-plan swaps the graphs)."""
+        previous = self._in_flight
+        if previous is None:
+            return []
+        self._in_flight = None
+        previous.held.extend(self.allocator.take_held())
+        return self._read_back(previous, time.perf_counter())
+
     def _sync_step(self) -> list[RequestEvent]:
         """Send the next batch (if any) and read it back; its events."""
         batch = self.scheduler.schedule()

@@ -9,8 +9,10 @@ stages for a single process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from graphs.budget import capture_within_budget
 from graphs.decode import DecodeGraphRunner
 from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
+from graphs.planner import expected_padded_rows, expected_padded_tokens
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
 from graphs.runner import GraphRunner
@@ -66,6 +69,37 @@ def checkpoint_max_len(arch: ModelArch, config: EngineConfig) -> int:
         max_len = limit
     return max_len
 
+
+
+@dataclass(frozen=True)
+class ReplanSummary:
+    """What :meth:`Worker.replan` did: each phase's ladder before and after, the graphs' resident
+    bytes against the budget, the seconds it took (measuring, capturing, releasing), and the padding
+    the profile it planned from would replay per step under the old and the new ladders (decode:
+    padded rows per decode step; prefill: padded tokens per prefill step)."""
+
+    before: dict[str, list[int]]
+    after: dict[str, list[int]]
+    resident_bytes: int
+    budget_bytes: int
+    seconds: float
+    padding_before: dict[str, float]
+    padding_after: dict[str, float]
+    line: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _padding(profile: BatchProfile, ladders: dict[str, list[int]], prefill: GraphRunner | None) -> dict[str, float]:
+    """Padding per step that ``profile``'s batches replay under ``ladders`` (see :class:`ReplanSummary`)."""
+    out = {}
+    if "decode" in ladders and profile.decode_steps:
+        out["decode"] = expected_padded_rows(profile.decode, ladders["decode"]) / profile.decode_steps
+    if "prefill" in ladders and profile.prefill_steps and isinstance(prefill, PrefillGraphRunner):
+        out["prefill"] = expected_padded_tokens(profile.prefill, ladders["prefill"], prefill.slots,
+                                                prefill.max_padding_ratio) / profile.prefill_steps
+    return out
 
 class Worker:
     """One tensor-parallel rank (or the whole model when ``tp.size == 1``)."""
@@ -185,15 +219,16 @@ class Worker:
                                                   runner.backend.resident_bytes)
         self.runner = ModelRunner(self.model, self.attention, decode, prefill)
 
-    def replan(self, profile: BatchProfile | None = None) -> str:
+    def replan(self, profile: BatchProfile | None = None) -> ReplanSummary:
         """Capture new ladders (planned from ``profile``, default: what this rank has run) into a
         fresh pool while the current graphs stay resident, switch to them, then release the old.
 
-        Runs between steps (the caller's step loop pauses for the capture). With a budget, the new
-        ladders are planned within the room the old graphs leave; when even the prefill ceiling
-        (or a single decode shape) does not fit there, it refuses with ``ValueError`` and changes
-        nothing. Returns the new plan's summary line.
+        Runs between steps with no step in flight (the caller's step loop pauses for the capture).
+        With a budget, the new ladders are planned within the room the old graphs leave; when even
+        the prefill ceiling (or a single decode shape) does not fit there, it refuses with
+        ``ValueError`` and changes nothing.
         """
+        start = time.perf_counter()
         old = self.runner
         current = old.decode_runner.resident_bytes + old.prefill_runner.resident_bytes
         room = None if self.graph_budget is None else self.graph_budget - current
@@ -201,6 +236,7 @@ class Worker:
             raise ValueError(f"re-plan refused: the current graphs use {current} of the {self.graph_budget}-byte "
                              "budget, leaving no room to capture the new ladders beside them")
         profile = profile if profile is not None else old.profile
+        before = {r.phase: list(r.ladder) for r in _graph_runners(old.prefill_runner, old.decode_runner)}
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         prefill = self._build_prefill_runner(planner_candidates=True, pool=pool)
         decode = self._build_decode_runner(planner_candidates=True, pool=pool)
@@ -223,7 +259,9 @@ class Worker:
         for runner in graphs:
             self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
                                               runner.backend.resident_bytes)
-        return report.line()
+        return ReplanSummary(before, dict(report.ladders), report.resident_bytes, report.budget_bytes,
+                             time.perf_counter() - start, _padding(profile, before, prefill),
+                             _padding(profile, report.ladders, prefill), report.line())
 
     def profile(self) -> BatchProfile:
         """The live batch shapes this rank has run (for ``graphs.profile`` of a later start)."""
