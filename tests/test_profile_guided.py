@@ -87,7 +87,8 @@ def test_live_replan_between_steps_keeps_requests_correct(checkpoint_dir):
     summary = outcome.summary
     assert "graph budget" in summary.line and summary.seconds > 0
     assert 6 in engine.worker.runner.decode_runner.ladder and engine.worker.runner.decode_runner.ladder != old_ladder
-    assert summary.before["decode"] == old_ladder and summary.after["decode"] == engine.worker.runner.decode_runner.ladder
+    new_ladder = engine.worker.runner.decode_runner.ladder
+    assert summary.before["decode"] == old_ladder and summary.after["decode"] == new_ladder
     # the profile's batches of 6 and 3 now replay unpadded
     assert summary.padding_after["decode"] == 0 < summary.padding_before["decode"]
     while engine.has_unfinished():
