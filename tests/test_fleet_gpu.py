@@ -62,3 +62,20 @@ def test_fleet_with_graphs_matches_engine(ray_gpu, setup, mode, transport):
                         and ('mode="decode_cuda_graph"' in line or 'mode="prefill_breakable"' in line)
                         and not line.endswith(" 0.0")]
             assert replayed, f"group {gid} ({group.role}) replayed no graph:\n{text[:2000]}"
+
+
+@pytest.mark.timeout(900)
+def test_live_replan_with_real_graphs_keeps_requests_and_the_budget(ray_gpu, setup):
+    """``Fleet.replan`` while requests decode: real graphs captured beside the old ones and swapped;
+    every request ends as without the re-plan, and the graphs after the swap fit the budget."""
+    path, prompts, expected = setup
+    with Fleet.start(_config(path), mode="colocated", name="gpu-replan") as fleet:
+        handles = [fleet.submit(p, GREEDY) for p in prompts]
+        first = handles[0].events(wait_s=120)
+        next(first)  # decoding has begun
+        (result,) = fleet.replan(timeout_s=600).values()
+        outs = [h.result(wait_s=300) for h in handles]
+        assert [o.token_ids for o in outs] == expected
+        assert "error" not in result, result
+        assert result["before"]["decode"] != result["after"]["decode"], result
+        assert 0 < result["resident_bytes"] <= result["budget_bytes"], result
