@@ -37,6 +37,10 @@ class RankGeneration:
         self.loops: list = []
         self.engine_loop = None  #: a fleet leader's engine loop (one of ``loops``), once started
         self.report_address = None  #: where a fleet leader's reports are read (:mod:`cluster.report_link`)
+        #: Seconds each phase of :meth:`start` took, in order: placement (waiting for resources),
+        #: rendezvous (actors up, process groups joined), load (weights), allocate (KV cache), capture
+        #: (CUDA graphs, with the kernels compiled on their first use).
+        self.start_seconds: dict[str, float] = {}
 
     def start(self, on_state, fixed_pages: int | None = None,
               cancelled: Callable[[], bool] = lambda: False) -> tuple[object, int, int]:
@@ -54,7 +58,9 @@ class RankGeneration:
         bundle = {"GPU": gpus} if gpus else {"CPU": c.cpus_per_rank}
         self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
                                   name=f"graphfleet-{self.group_id}-{self.generation}")
+        clock = _PhaseClock(self.start_seconds)
         self._wait_placed(bundle, deadline, on_state, cancelled)
+        clock.lap("placement")
         groups = getattr(self.actor_cls, "concurrency_groups", None)
         actor_cls = ray.remote(concurrency_groups=groups)(self.actor_cls) if groups else ray.remote(self.actor_cls)
         config_dict = GroupConfig.of(self.config).to_dict()
@@ -71,17 +77,21 @@ class RankGeneration:
         backend = "nccl" if gpus else "gloo"
         # Every rank joins at once: a sequential join would deadlock inside init_process_group.
         self._all("init_distributed", deadline, init, backend, c.step_timeout_s)
+        clock.lap("rendezvous")
         _check_cancelled(cancelled)
         pages = min(self._all("load", deadline))
+        clock.lap("load")
         if fixed_pages is not None:  # a restart must hold exactly the pages the engine books against
             if pages < fixed_pages:
                 raise GroupUnavailable(f"restarted ranks hold {pages} KV pages, the engine needs {fixed_pages}")
             pages = fixed_pages
         max_len = min(self._all("max_model_len", deadline, pages))
         self._all("allocate", deadline, pages, max_len)
+        clock.lap("allocate")
         _check_cancelled(cancelled)
         on_state(GroupState.CAPTURING, None)
         self._all("capture", deadline)
+        clock.lap("capture")
         arch = ray.get(self.actors[0].arch.remote(), timeout=_left(deadline))
         self.loops = [a.follow.remote() for a in self.actors[1:]]
         return arch, pages, max_len
@@ -198,6 +208,18 @@ def failure_reason(gen: RankGeneration, error: BaseException) -> str:
     if isinstance(error, RayActorError):
         return f"a rank died: {first_line}"
     return f"a rank failed the step: {first_line}"
+
+
+class _PhaseClock:
+    """Writes the seconds since the previous lap into ``into[name]`` at each :meth:`lap`."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self._into, self._last = into, time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self._into[name] = round(now - self._last, 3)
+        self._last = now
 
 
 def _left(deadline: float) -> float:

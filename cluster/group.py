@@ -64,6 +64,7 @@ class WorkerGroup:
         self._closed = False
         self.restarts = 0
         self.last_error: str | None = None
+        self.start_seconds: dict[str, float] = {}  #: the last ready generation's start, per phase
         self._start()
         if self._state is not GroupState.READY:
             raise GroupUnavailable(f"group {group_id} failed to start: {self.last_error}")
@@ -78,6 +79,7 @@ class WorkerGroup:
         waiting = self.waiting
         return {"group": self.group_id, "role": self.role, "state": self._state.value,
                 "generation": self._generation, "restarts": self.restarts, "last_error": self.last_error,
+                "start_seconds": dict(self.start_seconds),
                 "waiting": waiting.health(time.monotonic()) if waiting is not None else None}
 
     def _set_state(self, state: GroupState, waiting: PlacementWait | None = None) -> None:
@@ -109,9 +111,12 @@ class WorkerGroup:
                 gen.kill()
                 return
             self._current = gen
+        self.start_seconds = dict(gen.start_seconds)
         self._set_state(GroupState.READY)
-        log.info("group %s generation %d ready: %d ranks, %d KV pages", self.group_id, self._generation,
-                 self.config.cluster.tp_size, self.num_pages)
+        phases = ", ".join(f"{name} {secs:.1f}s" for name, secs in gen.start_seconds.items())
+        log.info("group %s generation %d ready in %.1fs (%s): %d ranks, %d KV pages", self.group_id,
+                 self._generation, sum(gen.start_seconds.values()), phases, self.config.cluster.tp_size,
+                 self.num_pages)
 
     def _prepare(self, gen: RankGeneration) -> None:
         """Subclasses' last step of a generation's start, before it is ready (nothing here)."""

@@ -406,6 +406,7 @@ class FleetLoop:
                 "tp_size": g.config.cluster.tp_size, "generation": g.generation, "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": usable, "free_pages": free, "requests": len(s.assigned),
                 "waiting": g.waiting.health(now) if g.waiting is not None else None,
+                "start_seconds": dict(g.start_seconds),
             }
         states = {v["state"] for v in groups.values()}
         roles_lost = any(self._role_lost(r, now) for r in {s.role for s in self.members})

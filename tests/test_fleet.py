@@ -219,7 +219,12 @@ def test_engine_hands_off_to_another_engine_token_for_token(path, reference):
 def test_colocated_matches_engine(ray_local, path, reference):
     prompts = _prompts(6, seed=1)
     with Fleet.start(_config(path), name="colo") as fleet:
-        assert list(fleet.health()["groups"]) == ["colo-c0"]
+        groups = fleet.health()["groups"]
+        assert list(groups) == ["colo-c0"]
+        # how long each phase of the group's start took (the log line at ready says the same)
+        seconds = groups["colo-c0"]["start_seconds"]
+        assert list(seconds) == ["placement", "rendezvous", "load", "allocate", "capture"]
+        assert all(v >= 0 for v in seconds.values()) and seconds["load"] > 0 and seconds["capture"] > 0
         outs = fleet.generate(prompts, GREEDY, timeout_s=120)
     for got, want in zip(outs, reference(prompts)):
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "length")
