@@ -130,10 +130,14 @@ class Scheduler:
         if not decoding:
             return None
         scheduled: list[tuple[Request, int]] = []
+        page_size = self.limits.page_size
         for req in sorted(decoding, key=_by_arrival):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             seq_len = req.seq_len  # preempting others does not change it
+            if len(req.pages) * page_size >= seq_len:  # most decode steps: the last page has room
+                scheduled.append((req, seq_len))
+                continue
             while not self._book(req, seq_len):
                 victim = max(self.running, key=_by_arrival)
                 self._preempt(victim)
