@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: Threads that fetch hand-offs' KV shards at once (each fetch waits on the object store or a peer).
 RESOLVE_THREADS = 4
+#: Steps of a phase since its last plan below which its padding is not judged (too few to be a trend).
+AUTO_REPLAN_MIN_STEPS = 32
 
 
 class EngineHost:
@@ -82,6 +84,11 @@ class EngineHost:
         self._pending = GroupReport()  # what the loop did since its last publish (the loop's own)
         self._error: str | None = None
         self.running = False  #: whether :meth:`run` is on (shutdown waits for it to end)
+        graphs = config.graphs
+        self._auto_interval = graphs.replan_interval_s  # doubled by each automatic re-plan, reset by no drift
+        self._auto_share = graphs.replan_padding_share
+        self._auto_next = time.monotonic() + (self._auto_interval or 0.0)
+        self._auto_count = 0
 
     # ----- called by the fleet (other threads) -----
 
@@ -146,6 +153,8 @@ class EngineHost:
                     with self._cond:
                         self._step_started = None
                     self._publish(events)
+                    if self._auto_interval is not None and time.monotonic() >= self._auto_next:
+                        self._auto_replan()
                 else:
                     self._publish([])
         except BaseException as e:
@@ -181,6 +190,22 @@ class EngineHost:
             log.warning("graph re-plan refused: %s", outcome.error)
         self._pending.replans.append(Replanned(c.replan_id, summary, outcome.error))
         self._publish(outcome.events)
+
+    def _auto_replan(self) -> None:
+        """``graphs.replan_interval_s``: re-plan when a phase's graphs padded more than
+        ``graphs.replan_padding_share`` of what they replayed since the last plan."""
+        drift = {phase: (share, steps) for phase, (share, steps) in self.executor.padding_since_plan().items()
+                 if steps >= AUTO_REPLAN_MIN_STEPS and share > self._auto_share}
+        if not drift:
+            self._auto_interval = self.engine.config.graphs.replan_interval_s
+        else:
+            self._auto_count += 1
+            log.info("automatic graph re-plan: padding since the last plan %s (over %.0f%%)",
+                     ", ".join(f"{p} {share:.0%} of {steps} steps" for p, (share, steps) in drift.items()),
+                     100 * self._auto_share)
+            self._replan(Replan(f"auto-{self._auto_count}"))
+            self._auto_interval *= 2  # a drift the budget cannot plan away is not re-planned every look
+        self._auto_next = time.monotonic() + self._auto_interval
 
     def _admit(self, c: Admit) -> None:
         on_first_token = self._stage_for_hand_off if c.hand_off else None

@@ -98,6 +98,10 @@ class LeaderExecutor:
     def execute(self, msg: StepMessage) -> StepResult:
         return self.submit(msg).result()
 
+    def padding_since_plan(self) -> dict[str, tuple[float, int]]:
+        """The leader's :meth:`worker.worker.Worker.padding_since_plan` (every rank runs the same batches)."""
+        return self.worker.padding_since_plan()
+
     def replan(self, profile=None):
         """Re-plan every rank's graphs from one profile (the leader's, unless given), all at once.
 

@@ -98,6 +98,12 @@ class GraphsConfig(Section):
         captured ladders are planned from the batch shapes it counts (graphs.planner), within
         memory_budget or, with no budget, the memory the default ladders would take; None = no profile.
     capture_timeout_s: abort capture after this many seconds (> 0).
+    replan_interval_s: how often a serving group looks at the batches it has run since its graphs
+        were last planned; when a phase's graph replays padded more than replan_padding_share of
+        their rows (decode) or tokens (prefill) over at least 32 steps, it re-plans its ladders
+        between two steps, as ``POST /admin/replan`` does (each re-plan that fires doubles the
+        interval until a look finds no drift). None = only on request.
+    replan_padding_share: the padding share in (0, 1) that triggers an automatic re-plan.
     """
 
     enabled: bool = True
@@ -108,6 +114,8 @@ class GraphsConfig(Section):
     memory_budget: int | float | str | None = None
     profile: str | None = None
     capture_timeout_s: float = 600.0
+    replan_interval_s: float | None = None
+    replan_padding_share: float = 0.1
 
     def __post_init__(self) -> None:
         budget = self.memory_budget
@@ -122,6 +130,10 @@ class GraphsConfig(Section):
             check(nbytes > 0, "memory_budget", f"must be > 0 bytes, got {budget!r}")
         t = self.capture_timeout_s
         check(t > 0, "capture_timeout_s", f"must be > 0, got {t!r}")
+        r = self.replan_interval_s
+        check(r is None or r > 0, "replan_interval_s", f"must be > 0 seconds or null, got {r!r}")
+        share = self.replan_padding_share
+        check(0 < share < 1, "replan_padding_share", f"must be in (0, 1), got {share!r}")
 
     @property
     def uses_prefill_graphs(self) -> bool:

@@ -27,7 +27,7 @@ from graphs.profile import MemoryModel, PiecewiseLinear, StepCosts
 
 __all__ = [
     "DecodeProblem", "JointPlan", "MemoryModel", "PiecewiseLinear", "Plan", "PrefillProblem", "StepCosts",
-    "decode_bucket", "expected_padded_rows", "expected_padded_tokens", "joint_bytes",
+    "decode_bucket", "expected_padded_rows", "expected_padded_tokens", "joint_bytes", "padding_share",
     "plan_decode_ladder", "plan_ladders", "plan_prefill_ladder", "prefill_bucket",
 ]
 
@@ -107,6 +107,28 @@ def expected_padded_tokens(hist: Mapping[tuple[int, int], float], ladder: Sequen
     limit = math.inf if slots is None else slots
     return sum(w * (b - t) for (t, r), w in hist.items()
                if (b := prefill_bucket(t, r, ladder, limit, max_padding_ratio)) is not None)
+
+
+def padding_share(profile, decode_ladder: Sequence[int] | None, prefill_ladder: Sequence[int] | None,
+                  slots: int = 1, max_padding_ratio: float = math.inf) -> dict[str, tuple[float, int]]:
+    """Per phase with graphs, ``(share, steps)``: the share of the rows (decode) or tokens (prefill)
+    that ``profile``'s graph-replayed steps padded under the ladder, and how many steps it counts.
+
+    ``profile`` is a :class:`graphs.profile.BatchProfile`; eager steps pad nothing and count no rows.
+    """
+    out = {}
+    if decode_ladder and profile.decode_steps:
+        hist = profile.decode
+        live = sum(n * w for n, w in hist.items() if decode_bucket(n, decode_ladder) is not None)
+        padded = expected_padded_rows(hist, decode_ladder)
+        out["decode"] = (padded / (live + padded) if live + padded else 0.0, profile.decode_steps)
+    if prefill_ladder and profile.prefill_steps:
+        hist = profile.prefill
+        live = sum(t * w for (t, r), w in hist.items()
+                   if prefill_bucket(t, r, prefill_ladder, slots, max_padding_ratio) is not None)
+        padded = expected_padded_tokens(hist, prefill_ladder, slots, max_padding_ratio)
+        out["prefill"] = (padded / (live + padded) if live + padded else 0.0, profile.prefill_steps)
+    return out
 
 
 # ----- the optimiser -----

@@ -79,6 +79,20 @@ class BatchProfile:
         key = (_positive(tokens, "prefill tokens"), _positive(requests, "prefill requests"))
         self.prefill[key] = self.prefill.get(key, 0) + _count(count, "count")
 
+    def copy(self) -> BatchProfile:
+        """An independent copy (counts as of now)."""
+        out = BatchProfile()
+        out.decode, out.prefill = dict(self.decode), dict(self.prefill)
+        return out
+
+    def since(self, earlier: BatchProfile) -> BatchProfile:
+        """The steps recorded after ``earlier`` (a :meth:`copy` of this profile taken before)."""
+        out = BatchProfile()
+        out.decode = {n: c - earlier.decode.get(n, 0) for n, c in self.decode.items() if c > earlier.decode.get(n, 0)}
+        out.prefill = {k: c - earlier.prefill.get(k, 0) for k, c in self.prefill.items()
+                       if c > earlier.prefill.get(k, 0)}
+        return out
+
     @property
     def decode_steps(self) -> int:
         """Decode steps recorded."""

@@ -26,6 +26,7 @@ from graphs.planner import (
     expected_padded_rows,
     expected_padded_tokens,
     joint_bytes,
+    padding_share,
     plan_decode_ladder,
     plan_ladders,
     plan_prefill_ladder,
@@ -339,3 +340,29 @@ def test_profile_load_names_the_file(tmp_path):
         BatchProfile.load(path)
     with pytest.raises(ValueError, match="decode batch size"):
         BatchProfile().record_decode(0)
+
+
+def test_padding_share_counts_what_the_graphs_replayed_since_a_copy():
+    profile = BatchProfile(decode={3: 10, 8: 5}, prefill={(100, 1): 4})
+    earlier = profile.copy()
+    profile.record_decode(3, 30)
+    profile.record_decode(9, 7)  # above the ladder: eager, pads nothing and is not counted as replayed
+    profile.record_prefill(300, 2, 2)
+    since = profile.since(earlier)
+    assert since.decode == {3: 30, 9: 7} and since.prefill == {(300, 2): 2} and earlier.decode == {3: 10, 8: 5}
+    share = padding_share(since, [1, 2, 4, 8], [256, 512], slots=4, max_padding_ratio=2.0)
+    # decode: 30 batches of 3 padded to 4 -> 30 of 120 rows; prefill: 300 tokens padded to 512 -> 212 of 512
+    assert share["decode"] == (pytest.approx(30 / 120), 37)
+    assert share["prefill"] == (pytest.approx(212 / 512), 2)
+    assert padding_share(since, None, None) == {} and padding_share(BatchProfile(), [1, 2], [256]) == {}
+
+
+@pytest.mark.parametrize("key,value,message", [("replan_interval_s", 0, "must be > 0 seconds"),
+                                               ("replan_padding_share", 1.0, r"must be in \(0, 1\)")])
+def test_automatic_replan_settings_are_checked(key, value, message):
+    from configkit import ConfigError
+    from deploy.config import load_config
+
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(None, [f"graphs.{key}={value}"])
+    assert key in str(e.value)

@@ -109,3 +109,25 @@ def test_live_replan_under_32_streams_keeps_every_stream_token_for_token(server,
     # both ranks of the group swapped their graphs (each counts its own re-plan)
     assert total(scrape(server), "cuda_graph_replans_total") - before == 2
     assert _http("GET", f"{server}/health")[0] == 200
+
+
+def test_a_group_whose_batches_drift_replans_itself_once(server, path):
+    """``graphs.replan_interval_s``: three requests decode as batches of 3, which the default decode
+    ladder (1, 2, 4, 8) replays padded to 4 (25% padding, over the 10% share): the group re-plans
+    on its own once, after which 3 is captured and nothing drifts; the tokens are the engine's."""
+    from fleet.fleet import Fleet
+
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    prompts = [[11 + i] * (5 + 3 * i) for i in range(3)]
+    overrides = [f"model.path={path}", *OVERRIDES]
+    engine = Engine(load_config(None, overrides))
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    engine.shutdown()
+    cfg = load_config(None, [*overrides, "graphs.replan_interval_s=0.1"])
+    with Fleet.start(cfg, name="auto") as fleet:
+        outs = fleet.generate(prompts, params, timeout_s=120)
+        text = b"".join(fleet.rank_metrics(10.0)).decode()
+    assert [o.token_ids for o in outs] == expected
+    replans = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("cuda_graph_replans_total")]
+    assert replans == [1.0], text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from graphs.budget import capture_within_budget
 from graphs.decode import DecodeGraphRunner
 from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
-from graphs.planner import expected_padded_rows, expected_padded_tokens
+from graphs.planner import expected_padded_rows, expected_padded_tokens, padding_share
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
 from graphs.runner import GraphRunner
@@ -131,6 +132,7 @@ class Worker:
         self._launches = 0  # steps launched so far (a LaunchedStep's number)
         self._tc_step: CompiledPrefillStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
+        self._planned_at = BatchProfile()  # the live profile when the ladders were last planned
 
     @classmethod
     def local(cls, config: EngineConfig, registry: CollectorRegistry | None = None) -> Worker:
@@ -218,6 +220,7 @@ class Worker:
                 self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
                                                   runner.backend.resident_bytes)
         self.runner = ModelRunner(self.model, self.attention, decode, prefill)
+        self._planned_at = BatchProfile()
 
     def replan(self, profile: BatchProfile | None = None) -> ReplanSummary:
         """Capture new ladders (planned from ``profile``, default: what this rank has run) into a
@@ -253,6 +256,7 @@ class Worker:
         new = ModelRunner(self.model, self.attention, decode, prefill)
         new.profile = old.profile
         self.runner = new
+        self._planned_at = new.profile.copy()
         old.decode_runner.release()
         old.prefill_runner.release()
         self.graph_metrics.record_replan()
@@ -262,6 +266,16 @@ class Worker:
         return ReplanSummary(before, dict(report.ladders), report.resident_bytes, report.budget_bytes,
                              time.perf_counter() - start, _padding(profile, before, prefill),
                              _padding(profile, report.ladders, prefill), report.line())
+
+    def padding_since_plan(self) -> dict[str, tuple[float, int]]:
+        """Per phase with graphs, ``(padding share, steps)`` of the batches run since the ladders were
+        last planned (capture or re-plan): see :func:`graphs.planner.padding_share`."""
+        runner = self.runner
+        since = runner.profile.since(self._planned_at)
+        decode = runner.decode_runner if isinstance(runner.decode_runner, GraphRunner) else None
+        prefill = runner.prefill_runner if isinstance(runner.prefill_runner, PrefillGraphRunner) else None
+        return padding_share(since, decode.ladder if decode else None, prefill.ladder if prefill else None,
+                             prefill.slots if prefill else 1, prefill.max_padding_ratio if prefill else math.inf)
 
     def profile(self) -> BatchProfile:
         """The live batch shapes this rank has run (for ``graphs.profile`` of a later start)."""
