@@ -85,7 +85,8 @@ class EngineHost:
         self._error: str | None = None
         self.running = False  #: whether :meth:`run` is on (shutdown waits for it to end)
         graphs = config.graphs
-        self._auto_interval = graphs.replan_interval_s  # doubled by each automatic re-plan, reset by no drift
+        self._auto_base = graphs.replan_interval_s
+        self._auto_interval = self._auto_base  # doubled by each automatic re-plan, reset by a look without drift
         self._auto_share = graphs.replan_padding_share
         self._auto_next = time.monotonic() + (self._auto_interval or 0.0)
         self._auto_count = 0
@@ -197,7 +198,7 @@ class EngineHost:
         drift = {phase: (share, steps) for phase, (share, steps) in self.executor.padding_since_plan().items()
                  if steps >= AUTO_REPLAN_MIN_STEPS and share > self._auto_share}
         if not drift:
-            self._auto_interval = self.engine.config.graphs.replan_interval_s
+            self._auto_interval = self._auto_base
         else:
             self._auto_count += 1
             log.info("automatic graph re-plan: padding since the last plan %s (over %.0f%%)",
@@ -261,10 +262,13 @@ class EngineHost:
     def _no_room(self, c: Prefilled) -> str | None:
         """Why ``c`` cannot be admitted now, counting the pages and slots of the requests whose
         shards are still being resolved (they are admitted before it)."""
-        page = self.engine.config.cache.page_size
-        pages = sum(-(-(len(r.prompt_ids) + len(r.output_ids) - 1) // page) for r, _ in self._resolving.values())
-        return self.engine.no_room_for_prefilled(len(c.prompt_ids) + len(c.output_ids) - 1,
-                                                 reserved_pages=pages, reserved_requests=len(self._resolving))
+        pages = sum(self._kv_pages(r) for r, _ in self._resolving.values())
+        return self.engine.no_room_for_prefilled(_kv_tokens(c), reserved_pages=pages,
+                                                 reserved_requests=len(self._resolving))
+
+    def _kv_pages(self, c: Prefilled) -> int:
+        """Pages ``c``'s imported KV takes here."""
+        return -(-_kv_tokens(c) // self.engine.config.cache.page_size)
 
     def _refuse_unresolved(self, c: Prefilled, err: Exception) -> None:
         self._refuse(Refused(c.engine_id, "transfer_failed", f"KV for the import did not arrive: "
@@ -348,14 +352,16 @@ class EngineHost:
         decode = 0 if self.role == "prefill" else sum(
             max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens)) for r in reqs)
         free, waiting = e.num_free_pages, len(self._resolving)
-        if waiting:  # hand-offs whose KV is on its way hold their pages and slots already
-            page = e.config.cache.page_size
-            for c, _ in self._resolving.values():
-                num = len(c.prompt_ids) + len(c.output_ids)
-                free -= -(-(num - 1) // page)
-                decode += max(0, min(c.params.max_tokens - len(c.output_ids), e.max_model_len - num))
+        for c, _ in self._resolving.values():  # hand-offs whose KV is on its way hold their pages and slots already
+            free -= self._kv_pages(c)
+            decode += max(0, min(c.params.max_tokens - len(c.output_ids), e.max_model_len - _kv_tokens(c) - 1))
         return EngineLoad(max(0, free), e.allocator.num_usable, len(reqs) + waiting, prefill + decode)
 
+
+
+def _kv_tokens(c: Prefilled) -> int:
+    """Tokens of ``c`` whose KV it brings: all but the last, which its first decode step writes."""
+    return len(c.prompt_ids) + len(c.output_ids) - 1
 
 
 def merge_by_request(events: list[RequestEvent]) -> list[RequestEvent]:

@@ -62,7 +62,7 @@ class Replan:
 
 @dataclass(frozen=True)
 class Replanned:
-    """A :class:`Replan`'s result: the summary (:meth:`worker.worker.ReplanSummary.to_dict`) or why it
+    """A :class:`Replan`'s result: the summary (:meth:`graphs.budget.ReplanSummary.to_dict`) or why it
     was refused."""
 
     replan_id: str

@@ -33,9 +33,10 @@ from cluster.rank import GroupState, GroupUnavailable, PlacementWait
 from cluster.threads import name_os_thread
 from fleet.config import FleetConfig, apply_fleet_options, group_layout, role_config
 from fleet.handle import FleetClosed, FleetLink, RequestHandle
-from fleet.loop import FleetLoop, PendingReplan
+from fleet.loop import FleetLoop
 from fleet.member import FleetMember
 from fleet.metrics import gather_rank_metrics
+from fleet.replans import PendingReplan
 from fleet.request import EventSink, FleetRequest
 from fleet.router import Overloaded, Router
 from worker.admission import PromptLimits, encode_prompt
@@ -316,7 +317,7 @@ class Fleet:
         Each group's engine reads back its step in flight, every rank of the group captures the new
         ladders beside the old graphs (within the graph budget), swaps and releases the old, and the
         group steps on; requests on it pause for the capture and continue token for token. Returns
-        per group the :class:`worker.worker.ReplanSummary` as a dict (ladders before and after,
+        per group the :class:`graphs.budget.ReplanSummary` as a dict (ladders before and after,
         resident and budget bytes, seconds, padding per step before and after) or ``{"error": why}``
         (refused for want of budget, not ready, failed meanwhile). Raises :class:`FleetClosed` when
         the fleet is shut down, ``TimeoutError`` past ``timeout_s``.

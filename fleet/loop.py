@@ -30,39 +30,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from cluster.config import ClusterConfig
-from cluster.group_messages import Abort, Admit, GroupReport, Prefilled, Replan
+from cluster.group_messages import Abort, Admit, GroupReport, Prefilled
 from cluster.kv_transport import KVTransferFailed, KVTransport
 from cluster.rank import GroupState
 from fleet.config import FleetConfig
 from fleet.group_client import GroupClient
 from fleet.member import FleetMember
+from fleet.replans import Replans
 from fleet.request import FleetRequest, Wakeups
 from fleet.router import GroupLoad, Router
 from worker.outputs import FailureKind, RequestEvent
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass
-class PendingReplan:
-    """A re-plan asked of every ready group (:meth:`fleet.fleet.Fleet.replan`): ``future`` gets each
-    group's result once every group asked has answered or left (failed, restarted)."""
-
-    replan_id: str
-    future: Future = field(default_factory=Future)
-    waiting: dict[str, int] = field(default_factory=dict)  # group id -> the generation asked
-    results: dict[str, dict] = field(default_factory=dict)
-
-    def settle(self, group_id: str, result: dict) -> None:
-        self.waiting.pop(group_id, None)
-        self.results[group_id] = result
-        if not self.waiting and not self.future.done():
-            self.future.set_result(dict(sorted(self.results.items())))
 
 class FleetLoop:
     """State and steps of the loop thread (see the module docstring)."""
@@ -85,7 +67,7 @@ class FleetLoop:
         self.health: dict = {}
         self.health_lock = threading.Lock()
         self.wakeups = Wakeups()  # the sinks of requests submitted to this loop defer their wake-ups here
-        self.replans: dict[str, PendingReplan] = {}
+        self.replans = Replans()
 
     # ----- the loop -----
 
@@ -103,9 +85,7 @@ class FleetLoop:
             self._drain()
             for fr in list(self.requests.values()):
                 self._fail(fr, FailureKind.FLEET_STOPPED, why)
-            for pending in self.replans.values():
-                for group_id in list(pending.waiting):
-                    pending.settle(group_id, {"error": why})
+            self.replans.close(why)
 
     def run_once(self) -> None:
         """One iteration. Readers are woken once per group report and at the end of the iteration
@@ -151,35 +131,12 @@ class FleetLoop:
             if fr is not None:
                 self._end(fr, "abort", error)
         elif kind == "replan":
-            self._replan(arg)
+            self.replans.ask(arg, self.members)
         elif kind == "report":
             self._on_report(*arg)
         elif kind == "failed":
             client, generation, reason = arg
             client.group.fail(reason, generation)
-
-    def _replan(self, pending: PendingReplan) -> None:
-        """Ask every ready group to re-plan between its next two steps; the others are reported as such."""
-        for member in self.members:
-            if member.ready:
-                pending.waiting[member.group_id] = member.client.generation
-                member.client.send(Replan(pending.replan_id))
-            else:
-                pending.results[member.group_id] = {"error": f"group {member.group_id} is not ready "
-                                                             f"({member.group.state.value}): not re-planned"}
-        if pending.waiting:
-            self.replans[pending.replan_id] = pending
-        else:
-            pending.future.set_result(dict(sorted(pending.results.items())))
-
-    def _replan_left(self, member: FleetMember) -> None:
-        """``member`` is not ready (failed, or on a new generation): a re-plan asked of it gets no answer."""
-        for replan_id, pending in list(self.replans.items()):
-            if member.group_id in pending.waiting:
-                pending.settle(member.group_id, {"error": f"group {member.group_id} failed before it re-planned: "
-                                                          f"{member.group.last_error}"})
-            if not pending.waiting:
-                del self.replans[replan_id]
 
     # ----- ending and moving requests -----
 
@@ -234,7 +191,7 @@ class FleetLoop:
             if member.ready:
                 continue
             if self.replans:
-                self._replan_left(member)
+                self.replans.left(member)
             # The KV of every request on this group's engine went with it (or with its old
             # generation): re-prefill them (oldest first) here once it is back, or elsewhere.
             moved = sorted(member.assigned.values(), key=lambda fr: fr.submitted)
@@ -337,11 +294,7 @@ class FleetLoop:
             return  # from a generation the loop has moved off (its requests were moved too)
         client.update(report)
         for done in report.replans:
-            pending = self.replans.get(done.replan_id)
-            if pending is not None and member.group_id in pending.waiting:
-                pending.settle(member.group_id, done.summary if done.error is None else {"error": done.error})
-                if not pending.waiting:
-                    del self.replans[done.replan_id]
+            self.replans.answered(member.group_id, done)
         for ev in report.events:
             fr = member.assigned.get(ev.request_id)
             if fr is None:  # ended or moved since: the engine's late news of it is dropped

@@ -17,6 +17,7 @@ Order of work (both phases share the process pool, so they share the budget):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -58,6 +59,27 @@ class BudgetReport:
         dropped = sum(len(v) for v in self.dropped.values())
         return (f"graph budget {self.budget_bytes / 2**20:.1f} MiB: {kept}; resident {self.resident_bytes / 2**20:.1f} "
                 f"MiB" + (f"; {dropped} candidate shapes dropped" if dropped else ""))
+
+
+@dataclass(frozen=True)
+class ReplanSummary:
+    """What a live re-plan (``worker.Worker.replan``) did: each phase's ladder before and after, the
+    graphs' resident bytes against the budget, the seconds it took (measuring, capturing,
+    releasing), and the padding the profile it planned from would replay per step under the old
+    and the new ladders (decode: padded rows per decode step; prefill: padded tokens per prefill
+    step)."""
+
+    before: dict[str, list[int]]
+    after: dict[str, list[int]]
+    resident_bytes: int
+    budget_bytes: int
+    seconds: float
+    padding_before: dict[str, float]
+    padding_after: dict[str, float]
+    line: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def _time(fn: Callable[[], None], device: torch.device, repeats: int = 3) -> float:

@@ -28,6 +28,7 @@ from graphs.profile import MemoryModel, PiecewiseLinear, StepCosts
 __all__ = [
     "DecodeProblem", "JointPlan", "MemoryModel", "PiecewiseLinear", "Plan", "PrefillProblem", "StepCosts",
     "decode_bucket", "expected_padded_rows", "expected_padded_tokens", "joint_bytes", "padding_share",
+    "replayed_padding",
     "plan_decode_ladder", "plan_ladders", "plan_prefill_ladder", "prefill_bucket",
 ]
 
@@ -109,26 +110,35 @@ def expected_padded_tokens(hist: Mapping[tuple[int, int], float], ladder: Sequen
                if (b := prefill_bucket(t, r, ladder, limit, max_padding_ratio)) is not None)
 
 
-def padding_share(profile, decode_ladder: Sequence[int] | None, prefill_ladder: Sequence[int] | None,
-                  slots: int = 1, max_padding_ratio: float = math.inf) -> dict[str, tuple[float, int]]:
-    """Per phase with graphs, ``(share, steps)``: the share of the rows (decode) or tokens (prefill)
-    that ``profile``'s graph-replayed steps padded under the ladder, and how many steps it counts.
+def replayed_padding(profile, decode_ladder: Sequence[int] | None, prefill_ladder: Sequence[int] | None,
+                     slots: int = 1, max_padding_ratio: float = math.inf) -> dict[str, tuple[float, float, int]]:
+    """Per phase with a ladder (None: no graphs) and steps in ``profile``: ``(padded, live, steps)``,
+    the rows (decode) or tokens (prefill) that padding added to its graph-replayed steps, the live
+    ones those steps carried (eager steps count in neither), and its steps.
 
-    ``profile`` is a :class:`graphs.profile.BatchProfile`; eager steps pad nothing and count no rows.
+    ``profile`` is a :class:`graphs.profile.BatchProfile`.
     """
     out = {}
-    if decode_ladder and profile.decode_steps:
+    if decode_ladder is not None and profile.decode_steps:
         hist = profile.decode
         live = sum(n * w for n, w in hist.items() if decode_bucket(n, decode_ladder) is not None)
-        padded = expected_padded_rows(hist, decode_ladder)
-        out["decode"] = (padded / (live + padded) if live + padded else 0.0, profile.decode_steps)
-    if prefill_ladder and profile.prefill_steps:
+        out["decode"] = (expected_padded_rows(hist, decode_ladder), live, profile.decode_steps)
+    if prefill_ladder is not None and profile.prefill_steps:
         hist = profile.prefill
         live = sum(t * w for (t, r), w in hist.items()
                    if prefill_bucket(t, r, prefill_ladder, slots, max_padding_ratio) is not None)
-        padded = expected_padded_tokens(hist, prefill_ladder, slots, max_padding_ratio)
-        out["prefill"] = (padded / (live + padded) if live + padded else 0.0, profile.prefill_steps)
+        out["prefill"] = (expected_padded_tokens(hist, prefill_ladder, slots, max_padding_ratio), live,
+                          profile.prefill_steps)
     return out
+
+
+def padding_share(profile, decode_ladder: Sequence[int] | None, prefill_ladder: Sequence[int] | None,
+                  slots: int = 1, max_padding_ratio: float = math.inf) -> dict[str, tuple[float, int]]:
+    """Per phase of :func:`replayed_padding`: ``(share, steps)``, the share of what its graphs
+    replayed that was padding."""
+    return {phase: (padded / (padded + live) if padded + live else 0.0, steps)
+            for phase, (padded, live, steps) in
+            replayed_padding(profile, decode_ladder, prefill_ladder, slots, max_padding_ratio).items()}
 
 
 # ----- the optimiser -----

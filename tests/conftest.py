@@ -33,6 +33,16 @@ def checkpoint_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ray_local(request):
+    """A local CPU Ray on 127.0.0.1 for one module, with the module's ``RAY_CPUS`` logical CPUs (default 8)."""
+    ray = pytest.importorskip("ray")
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=getattr(request.module, "RAY_CPUS", 8), include_dashboard=False,
+             log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def ray_gpu():
     """A local Ray on 127.0.0.1 with this machine's GPUs (the GPU cluster and fleet tests)."""
     ray = pytest.importorskip("ray")

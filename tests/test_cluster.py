@@ -19,13 +19,8 @@ from worker.sampling.params import SamplingParams  # noqa: E402
 from worker.step_message import StepMessage  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=6, include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
-    yield
-    ray.shutdown()
+#: Logical CPUs of the module's local Ray (the ``ray_local`` fixture in conftest.py).
+RAY_CPUS = 6
 
 
 def _config(path, tp, *extra):

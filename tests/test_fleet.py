@@ -68,12 +68,8 @@ def _collect(stream):
     return tokens, text, last
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=16, include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
-    yield
-    ray.shutdown()
+#: Logical CPUs of the module's local Ray (the ``ray_local`` fixture in conftest.py).
+RAY_CPUS = 16
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,12 @@ from tests.test_fleet import (  # noqa: F401 - fixtures are used by name
     _prompts,
     _wait_until,
     path,
-    ray_local,
     reference,
 )
 from worker.sampling.params import SamplingParams
+
+#: Logical CPUs of the module's local Ray (the ``ray_local`` fixture in conftest.py).
+RAY_CPUS = 16
 
 
 def _newest_rank0(prefix: str) -> str | None:

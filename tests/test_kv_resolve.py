@@ -35,12 +35,8 @@ def _slowly(payload, delay_s: float):
     return payload
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             ignore_reinit_error=True)
-    yield
-    ray.shutdown()
+#: Logical CPUs of the module's local Ray (the ``ray_local`` fixture in conftest.py).
+RAY_CPUS = 4
 
 
 @pytest.fixture(scope="module")

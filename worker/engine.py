@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from graphs.budget import ReplanSummary
 from graphs.profile import BatchProfile
 from worker.admission import PromptLimits, encode_prompt
 from worker.config import EngineConfig
@@ -34,10 +35,9 @@ from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
 from worker.step_pipeline import StepPipeline
 from worker.tokenizer import Tokenizer, load_tokenizer
-from worker.worker import ReplanSummary, Worker
+from worker.worker import Worker
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -48,6 +48,7 @@ class ReplanOutcome:
     events: list[RequestEvent]
     summary: ReplanSummary | None
     error: str | None
+
 
 class Engine:
     """Continuous-batching inference: scheduler, step pipeline and output processor over an executor.

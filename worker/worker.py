@@ -9,11 +9,8 @@ stages for a single process.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,17 +18,16 @@ from prometheus_client import CollectorRegistry
 
 from graphs.backends import create_backend
 from graphs.buckets import default_decode_ladder
-from graphs.budget import capture_within_budget
+from graphs.budget import ReplanSummary, capture_within_budget
 from graphs.decode import DecodeGraphRunner
 from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
-from graphs.planner import expected_padded_rows, expected_padded_tokens, padding_share
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
 from graphs.profile import BatchProfile
-from graphs.runner import GraphRunner
 from worker.attention.factory import create_attention_backend
 from worker.config import EngineConfig
 from worker.executor import LaunchedStep, PendingLaunch
+from worker.graph_ladders import graph_runners, ladders_of, padding_per_step, padding_share_of
 from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.model.arch import ModelArch
 from worker.model.kernels import select_kernels
@@ -70,37 +66,6 @@ def checkpoint_max_len(arch: ModelArch, config: EngineConfig) -> int:
         max_len = limit
     return max_len
 
-
-
-@dataclass(frozen=True)
-class ReplanSummary:
-    """What :meth:`Worker.replan` did: each phase's ladder before and after, the graphs' resident
-    bytes against the budget, the seconds it took (measuring, capturing, releasing), and the padding
-    the profile it planned from would replay per step under the old and the new ladders (decode:
-    padded rows per decode step; prefill: padded tokens per prefill step)."""
-
-    before: dict[str, list[int]]
-    after: dict[str, list[int]]
-    resident_bytes: int
-    budget_bytes: int
-    seconds: float
-    padding_before: dict[str, float]
-    padding_after: dict[str, float]
-    line: str
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _padding(profile: BatchProfile, ladders: dict[str, list[int]], prefill: GraphRunner | None) -> dict[str, float]:
-    """Padding per step that ``profile``'s batches replay under ``ladders`` (see :class:`ReplanSummary`)."""
-    out = {}
-    if "decode" in ladders and profile.decode_steps:
-        out["decode"] = expected_padded_rows(profile.decode, ladders["decode"]) / profile.decode_steps
-    if "prefill" in ladders and profile.prefill_steps and isinstance(prefill, PrefillGraphRunner):
-        out["prefill"] = expected_padded_tokens(profile.prefill, ladders["prefill"], prefill.slots,
-                                                prefill.max_padding_ratio) / profile.prefill_steps
-    return out
 
 class Worker:
     """One tensor-parallel rank (or the whole model when ``tp.size == 1``)."""
@@ -206,7 +171,7 @@ class Worker:
         profile = BatchProfile.load(g.profile) if g.profile else None
         prefill = self._build_prefill_runner(planner_candidates=profile is not None)
         decode = self._build_decode_runner(planner_candidates=profile is not None)
-        graphs = _graph_runners(prefill, decode)
+        graphs = graph_runners(prefill, decode)
         self.graph_metrics.record_budget(self.graph_budget)
         if self.graph_budget is None and profile is None:
             for runner in graphs:
@@ -239,11 +204,11 @@ class Worker:
             raise ValueError(f"re-plan refused: the current graphs use {current} of the {self.graph_budget}-byte "
                              "budget, leaving no room to capture the new ladders beside them")
         profile = profile if profile is not None else old.profile
-        before = {r.phase: list(r.ladder) for r in _graph_runners(old.prefill_runner, old.decode_runner)}
+        before = ladders_of(old.prefill_runner, old.decode_runner)
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         prefill = self._build_prefill_runner(planner_candidates=True, pool=pool)
         decode = self._build_decode_runner(planner_candidates=True, pool=pool)
-        graphs = _graph_runners(prefill, decode)
+        graphs = graph_runners(prefill, decode)
         by_phase = {r.phase: r for r in graphs}
         defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
         report = capture_within_budget(by_phase.get("decode"), by_phase.get("prefill"), room, profile,
@@ -264,18 +229,15 @@ class Worker:
             self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
                                               runner.backend.resident_bytes)
         return ReplanSummary(before, dict(report.ladders), report.resident_bytes, report.budget_bytes,
-                             time.perf_counter() - start, _padding(profile, before, prefill),
-                             _padding(profile, report.ladders, prefill), report.line())
+                             time.perf_counter() - start, padding_per_step(profile, before, prefill),
+                             padding_per_step(profile, report.ladders, prefill), report.line())
 
     def padding_since_plan(self) -> dict[str, tuple[float, int]]:
         """Per phase with graphs, ``(padding share, steps)`` of the batches run since the ladders were
         last planned (capture or re-plan): see :func:`graphs.planner.padding_share`."""
         runner = self.runner
         since = runner.profile.since(self._planned_at)
-        decode = runner.decode_runner if isinstance(runner.decode_runner, GraphRunner) else None
-        prefill = runner.prefill_runner if isinstance(runner.prefill_runner, PrefillGraphRunner) else None
-        return padding_share(since, decode.ladder if decode else None, prefill.ladder if prefill else None,
-                             prefill.slots if prefill else 1, prefill.max_padding_ratio if prefill else math.inf)
+        return padding_share_of(since, ladders_of(runner.prefill_runner, runner.decode_runner), runner.prefill_runner)
 
     def profile(self) -> BatchProfile:
         """The live batch shapes this rank has run (for ``graphs.profile`` of a later start)."""
@@ -422,8 +384,3 @@ class Worker:
             self.runner.decode_runner.release()
             self.runner.prefill_runner.release()
         self.runner = None
-
-
-def _graph_runners(*runners: GraphRunner | EagerRunner) -> list[GraphRunner]:
-    """The runners among ``runners`` that capture graphs (in order)."""
-    return [r for r in runners if isinstance(r, GraphRunner)]

@@ -75,7 +75,9 @@ def build_metadata(batch: AttentionBatch, page_size: int
     np.cumsum(need, out=kv[1:])
     last = seq - (need - 1) * page_size
     last[need == 0] = 0
-    if kv[-1] == len(rows.indices) and (need == np.diff(rows.indptr)).all():  # pages cover exactly the tokens
+    # row_geometry checked every row holds at least the pages it needs, so equal totals mean the
+    # pages cover exactly the tokens (the usual case): the rows' indices serve as they are.
+    if kv[-1] == len(rows.indices):
         indices = rows.indices
     else:  # only the pages covering seq_len
         indices = rows.indices[np.repeat(rows.indptr[:-1] - kv[:-1], need) + np.arange(kv[-1], dtype=np.int64)]
