@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--warm-tokens", type=int, default=300, help="tokens each request has made before timing")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--greedy", action="store_true",
+                    help="greedy requests (temperature 0, what bench/serve.py sends) instead of top-p sampling")
     ap.add_argument("--executor", choices=("worker", "host"), default="worker",
                     help="worker: the real forward; host: HostOnlyExecutor (the engine's host work alone)")
     args = ap.parse_args()
@@ -133,9 +135,11 @@ def main() -> None:
     instrument(engine, timer, args.executor == "worker")
     g = torch.Generator().manual_seed(0)
     max_tokens = args.warm_tokens + args.steps + 16
-    for _ in range(B):  # sampled (not greedy), top-p on: the sampling path a chat request takes
+    # By default sampled, top-p on (the path a chat request takes); --greedy: the serve benchmarks' path.
+    sampling = dict(temperature=0.0) if args.greedy else dict(temperature=0.8, top_p=0.95)
+    for _ in range(B):
         engine.add_request(torch.randint(10, engine.arch.vocab_size - 10, (ctx,), generator=g).tolist(),
-                           SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
     while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
         engine.step()
     for _ in range(args.warm_tokens):
@@ -155,7 +159,8 @@ def main() -> None:
     rows.append({"piece": "pieces, summed", "us_per_step": pieces_s * 1e6, "calls_per_step": None})
     rows.append({"piece": "whole step", "us_per_step": step_s * 1e6, "calls_per_step": 1.0})
     print(f"{args.preset}, batch {running} (asked {B}), context {ctx} + {args.warm_tokens} made, "
-          f"{'cuda' if cuda else 'cpu'}, executor {args.executor}, async_scheduling={cfg.scheduler.async_scheduling}")
+          f"{'cuda' if cuda else 'cpu'}, executor {args.executor}, {'greedy' if args.greedy else 'top-p'}, "
+          f"async_scheduling={cfg.scheduler.async_scheduling}")
     print_table(rows, ["piece", "us_per_step", "calls_per_step"])
     write_results("host_step", {"env": environment(), "args": vars(args), "batch": running, "rows": rows})
 

@@ -200,6 +200,45 @@ def test_decode_cuda_graph_replays_after_replanning(flashinfer):
 
 
 @pytest.mark.gpu
+def test_fast_decode_plan_makes_flashinfers_own_plan(flashinfer):
+    """``fast_decode_plan`` re-plans a captured decode shape through flashinfer's scheduler alone:
+    the plan is the one flashinfer's ``plan`` makes (same plan info) and the replay's output equals
+    the ordinary plan's bit for bit, over batches whose lengths, pages and padding change, long rows
+    (split KV) included."""
+    cache = make_cache()
+    fast = FlashInferBackend(SHAPE, cache, 8, 256, fast_decode_plan=True)
+    plain = FlashInferBackend(SHAPE, cache, 8, 256)
+    rows = 8
+    q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
+    graphs = {}
+    for backend in (fast, plain):
+        backend.graph_wrapper(False, rows)
+        backend.plan(decode_batch(Pages(4), [3, 9], rows))
+        graphs[id(backend)] = capture(backend, q, k, v)
+    assert fast._fast_wrappers and not plain._fast_wrappers, "the first, ordinary plan qualifies the wrapper"
+    key = (False, rows, rows)
+    for seed, seq_lens in ((5, [1, 17, 33, 64, 80]), (6, [40, 2, 16, 15, 31, 32, 48, 7]), (11, [700, 600]),
+                           (12, [1])):
+        pages = Pages(seed)
+        batch = AttentionBatch.decode(seq_lens, [pages.table(n) for n in seq_lens])
+        outs = []
+        for backend in (fast, plain):
+            backend.plan(batch, rows)
+            for dst, src in zip((q, k, v), qkv(rows, seed), strict=True):
+                dst.copy_(src)
+            graph, out = graphs[id(backend)]
+            graph.replay()
+            torch.cuda.synchronize()
+            outs.append(out[: len(seq_lens)].clone())
+        assert list(fast._graph_wrappers[key]._plan_info) == list(plain._graph_wrappers[key]._plan_info), seed
+        assert torch.equal(outs[0], outs[1]), f"seed {seed}: the fast plan's replay differs"
+        padded = AttentionBatch.decode(seq_lens + [1] * (rows - len(seq_lens)),
+                                       batch.page_tables.tolist() + [[DUMMY]] * (rows - len(seq_lens)))
+        torch.testing.assert_close(outs[0].float(), reference(cache.layer(LAYER), padded, q)[: len(seq_lens)],
+                                   **TOL)
+
+
+@pytest.mark.gpu
 def test_prefill_cuda_graph_replays_with_more_tokens_than_captured(flashinfer):
     cache = make_cache()
     backend = FlashInferBackend(SHAPE, cache, 8, 256)

@@ -115,6 +115,27 @@ def test_greedy_is_argmax_and_top_k_1_matches():
     assert torch.equal(out.token_ids[1::2], logits.argmax(-1)[1::2])
 
 
+def test_an_all_greedy_batch_stages_nothing_and_still_gives_logprobs():
+    """A batch whose every row is greedy makes no device tensors (nothing to copy each step);
+    its tokens are the argmax, its logprobs the raw log_softmax there, and a wrong row count is
+    still refused."""
+    torch.manual_seed(4)
+    logits = torch.randn(6, 300, dtype=torch.bfloat16)
+    params = [SamplingParams(temperature=0, logprobs=i % 2 == 0) for i in range(6)]
+    batch = SamplingBatch.build(params, list(range(6)), [3] * 6, CPU)
+    assert batch.all_greedy and batch.size == 6
+    assert all(t is None for t in (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds,
+                                   batch.steps, batch.greedy_mask))
+    out = sample(logits, batch)
+    assert torch.equal(out.token_ids, logits.float().argmax(-1))
+    want = logits.float().log_softmax(-1).gather(1, out.token_ids[:, None]).squeeze(1)
+    assert torch.allclose(out.logprobs, want, atol=1e-5)
+    with pytest.raises(ValueError, match="logits must be"):
+        sample(logits[:5], batch)
+    with pytest.raises(ValueError, match="step must be an int"):
+        SamplingBatch.build(params[:1], [1], [-2], CPU)
+
+
 def test_logits_not_modified():
     torch.manual_seed(1)
     logits = torch.randn(4, 100)
@@ -380,7 +401,8 @@ def test_rows_kept_for_the_same_batch_equal_rows_built_afresh():
     from worker.sampling.sampler import SamplingRows
 
     def fields(b):
-        return ([t.tolist() for t in (b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps, b.greedy_mask)],
+        return ([None if t is None else t.tolist()
+                 for t in (b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps, b.greedy_mask)],
                 (b.all_greedy, b.any_greedy, b.needs_sort, b.needs_top_p, b.needs_min_p, b.topk_width,
                  b.want_logprobs))
 
@@ -388,7 +410,8 @@ def test_rows_kept_for_the_same_batch_equal_rows_built_afresh():
     b = SamplingParams(temperature=0.0, logprobs=True)
     c = SamplingParams(temperature=1.2, top_p=0.9, min_p=0.05)
     rows = SamplingRows()
-    batches = [[a, b, c], [a, b, c], [a, c], [c, a], [c, a, b], [SamplingParams(temperature=0.7, top_k=5)], []]
+    batches = [[a, b, c], [a, b, c], [a, c], [c, a], [c, a, b], [b, b], [b], [SamplingParams(temperature=0.7, top_k=5)],
+               []]
     for step, params in enumerate(batches):
         seeds, steps = [7 + i for i in range(len(params))], [step] * len(params)
         kept = SamplingBatch.build(params, seeds, steps, CPU, rows=rows)

@@ -52,9 +52,13 @@ class AttentionConfig(Section):
     """Attention kernels.
 
     backend: attention kernels; "auto" picks per device.
+    fast_decode_plan: flashinfer only: re-plan a captured decode shape through flashinfer's
+        scheduler alone (vLLM's and SGLang's fast_decode_plan), skipping its Python plan's checks
+        and copies; off until measured on the GPU.
     """
 
     backend: AttentionBackend = "auto"
+    fast_decode_plan: bool = False
 
 
 @dataclass(frozen=True)

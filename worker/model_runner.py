@@ -55,10 +55,17 @@ class ModelRunner:
         where = msg.from_previous
         if where and previous is None:
             raise ValueError("the step takes inputs from the previous step's tokens, and there are none")
-        ids, positions, rows, into, take = self._staging.stage(
-            [msg.input_ids, msg.positions, msg.logits_rows, [p for p, _ in where], [r for _, r in where]])
-        if where:
-            ids.index_copy_(0, into, previous.index_select(0, take).to(torch.int64))
+        n = len(where)
+        if n and n == len(msg.input_ids) and all(i == r for i, r in where):
+            # Every input is the previous step's token of the same row (a steady decode batch with
+            # async scheduling): one slice copy instead of staging indices and gathering.
+            ids, positions, rows = self._staging.stage([msg.input_ids, msg.positions, msg.logits_rows])
+            ids.copy_(previous[:n])
+        else:
+            ids, positions, rows, into, take = self._staging.stage(
+                [msg.input_ids, msg.positions, msg.logits_rows, [p for p, _ in where], [r for _, r in where]])
+            if where:
+                ids.index_copy_(0, into, previous.index_select(0, take).to(torch.int64))
         return StepInputs(ids, positions, msg.attention_batch(), rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

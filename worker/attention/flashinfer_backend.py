@@ -25,6 +25,16 @@ every ``plan`` of a batch padded to exactly that shape routes to it, so a graph 
 ``plan`` writes the padding rows (``AttentionBackend.plan``) into the host twin after the batch's
 own rows; the batch's lists are read, never copied or extended.
 
+Fast decode plan (``fast_decode_plan``, off by default until measured on the GPU): a captured decode
+shape's wrapper, once planned the ordinary way, is re-planned by calling its compiled scheduler
+(``_cached_module.plan``) directly with the host arrays this backend already has, as vLLM's and
+SGLang's ``fast_decode_plan`` do. flashinfer's Python ``plan`` around that call checks its
+arguments, works the sequence lengths out again with torch CPU ops and copies indptr and
+last_page_len into its buffers, which for a graph wrapper are the regions this backend has just
+copied; none of that changes between steps of one shape. The call's arguments are those
+``BatchDecodeWithPagedKVCacheWrapper.plan`` of flashinfer 0.7.2 passes for tensor-core (fa2)
+decode; a wrapper that is not that case keeps the ordinary plan.
+
 Each flashinfer wrapper owns an 8 MiB device int workspace and an 8 MiB pinned twin; the float
 workspace is shared by all of them (kernels are stream-ordered, so split-KV scratch never
 overlaps). ``plan`` and ``run``/replay must be issued on the same CUDA stream.
@@ -32,6 +42,7 @@ overlaps). ``plan`` and ``run``/replay must be issued on the same CUDA stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +95,18 @@ def build_metadata(batch: AttentionBatch, page_size: int
     return qo, kv, last, indices, locations_of(rows, seq, q, page_size, batch.num_tokens)
 
 
+def _fast_plan_applies(wrapper: Any) -> bool:
+    """Whether ``wrapper`` (just planned the ordinary way) is the case :meth:`FlashInferBackend._fast_plan`
+    reproduces: a CUDA-graph decode wrapper on flashinfer's tensor-core fa2 path with one query
+    token a row, no window and no JIT module of its own."""
+    a = getattr
+    return (wrapper.is_cuda_graph_enabled and a(wrapper, "use_tensor_cores", False)
+            and a(wrapper, "_backend", None) == "fa2" and a(wrapper, "_jit_module", 0) is None
+            and a(wrapper, "_q_len_per_req", None) == 1 and a(wrapper, "_window_left", None) == -1
+            and not a(wrapper, "_uses_cudnn", False) and a(wrapper, "_cached_module", None) is not None
+            and hasattr(wrapper, "_pin_memory_int_workspace_buffer") and a(wrapper, "_plan_info", None) is not None)
+
+
 class FlashInferBackend(AttentionBackend):
     """flashinfer paged attention: FA2 batch prefill (causal, GQA) and batch decode.
 
@@ -94,14 +117,15 @@ class FlashInferBackend(AttentionBackend):
     prefill kernel with one query row per request) instead of the CUDA-core decode kernel:
     vLLM always enables it (it is never slower, and much faster for GQA groups > 4) and SGLang
     enables it for groups >= 4, i.e. for every Llama-3 shape. ``q_dtype`` is the query/output
-    dtype (default: the cache dtype).
+    dtype (default: the cache dtype). ``fast_decode_plan``: see the module docstring.
     """
 
     name = "flashinfer"
 
     def __init__(self, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int, max_num_tokens: int,
                  max_pages_per_row: int | None = None, *, workspace_bytes: int = 256 << 20,
-                 decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None) -> None:
+                 decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None,
+                 fast_decode_plan: bool = False) -> None:
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         self._fi = _import_flashinfer()
         dev = kv_cache.device
@@ -117,6 +141,7 @@ class FlashInferBackend(AttentionBackend):
         self.page_size = ps
         self.q_dtype = q_dtype or kv_cache.dtype
         self.decode_use_tensor_cores = decode_use_tensor_cores
+        self.fast_decode_plan = fast_decode_plan
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
         # The prefill capacity plan (see graph_wrapper) puts all tokens of a shape in one row.
@@ -139,6 +164,11 @@ class FlashInferBackend(AttentionBackend):
         self.locations = self._dev[slice(*region["locations"])]
         self.paged_kv_indices = self._dev[slice(*region["indices"])]
         self._host_views = {k: self._host[slice(*r)] for k, r in region.items()}
+        # Host-only inputs of the fast decode plan: query indptr (one token a row) and KV lengths.
+        self._decode_qo_host = torch.arange(rows + 1, dtype=torch.int32)
+        self._kv_lens_host = torch.zeros(rows, dtype=torch.int32)
+        self._kv_lens_np = self._kv_lens_host.numpy()
+        self._fast_wrappers: set[int] = set()  # ids of graph wrappers the fast plan may re-plan
 
         # append_paged_kv_cache addresses page indices[indptr[b] + pos // ps]: a single request
         # owning every page in order turns a flat location into (page, offset), i.e. a scatter.
@@ -276,13 +306,36 @@ class FlashInferBackend(AttentionBackend):
                          self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, causal=True, **common)
             self._num_q = q_total
+        elif id(wrapper) in self._fast_wrappers:
+            self._fast_plan(wrapper, rows, batch.seq_lens)
+            self._num_q = rows
         else:
             wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)
             self._num_q = rows
+            if self.fast_decode_plan and _fast_plan_applies(wrapper):
+                self._fast_wrappers.add(id(wrapper))
         self._staged.record()
         self._active = wrapper
         self._num_tokens = toks
+
+    def _fast_plan(self, wrapper: Any, rows: int, seq: Sequence[int]) -> None:
+        """Re-plan a graph decode wrapper (planned the ordinary way before, same shape) from the
+        host twin just written: its indptr and last_page_len regions are on the device already, so
+        only flashinfer's scheduler runs. ``seq`` holds the live rows' KV lengths; padding rows have
+        one token each. The arguments mirror ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor
+        cores, fa2, one query token a row, no window, no fixed split)."""
+        live = len(seq)
+        lens = self._kv_lens_np
+        lens[:live] = seq
+        lens[live:rows] = 1
+        s = self.shape
+        wrapper._plan_info = wrapper._cached_module.plan(
+            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
+            self._decode_qo_host[: rows + 1], self._host_views["kv_indptr"][: rows + 1], self._kv_lens_host[:rows],
+            rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
+            False, -1, -1, False, 0, 0)
+        wrapper._max_kv_len = int(lens[:rows].max())
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v`` at the planned locations (one fused kernel; graph-safe)."""

@@ -115,7 +115,8 @@ class SamplingRows:
 class SamplingBatch:
     """Per-row sampling parameters as device tensors (row i = i-th request) plus host-side flags.
 
-    Tensors (all shape (B,), on the sampling device):
+    Tensors (all shape (B,), on the sampling device; None when every row is greedy, since
+    ``sample`` then takes the argmax and reads none of them, so such a batch costs no copy):
         temperature: float32; greedy rows hold 1.0 (their result is the raw argmax anyway).
         top_k: int64; disabled is the vocabulary size (or 2**62 if it was not given to ``build``).
         top_p: float32; disabled (1.0) is encoded as +inf so rounding can never drop a token.
@@ -129,13 +130,14 @@ class SamplingBatch:
         top_k <= topk_width and a partial ``torch.topk`` replaces the full sort), want_logprobs.
     """
 
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor
-    steps: torch.Tensor
-    greedy_mask: torch.Tensor
+    num_rows: int
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    seeds: torch.Tensor | None
+    steps: torch.Tensor | None
+    greedy_mask: torch.Tensor | None
     all_greedy: bool
     any_greedy: bool
     needs_sort: bool
@@ -147,7 +149,7 @@ class SamplingBatch:
     @property
     def size(self) -> int:
         """Number of rows B."""
-        return self.temperature.shape[0]
+        return self.num_rows
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
@@ -175,6 +177,8 @@ class SamplingBatch:
         if n and not -(1 << 63) <= min(seeds) <= max(seeds) < 1 << 63:
             wrapped = [(seed + (1 << 63)) % (1 << 64) - (1 << 63) for seed in seeds]
         host = rows.get(params, k_off) if rows is not None else _HostRows.of(params, k_off)
+        if host.flags[0]:  # all greedy: the argmax needs no per-row tensor
+            return cls(n, None, None, None, None, None, None, None, *host.flags)
 
         packed = np.empty(7 * n, dtype=np.int64)
         packed[:n], packed[n:2 * n], packed[2 * n:3 * n] = host.top_ks, wrapped, steps
@@ -184,7 +188,7 @@ class SamplingBatch:
         (dev,) = staging.stage([packed])
         dev = dev.view(7, n)
         f = dev[4:].to(torch.int32).view(torch.float32)
-        return cls(f[0], dev[0], f[1], f[2], dev[1], dev[2], dev[3].bool(), *host.flags)
+        return cls(n, f[0], dev[0], f[1], f[2], dev[1], dev[2], dev[3].bool(), *host.flags)
 
 
 def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
