@@ -347,15 +347,25 @@ class EngineHost:
     def _load(self) -> EngineLoad:
         e = self.engine
         s = e.scheduler
-        reqs = list(s.running) + list(s.waiting)
-        prefill = sum(r.num_tokens - r.num_computed for r in reqs if r.prefilling)
-        decode = 0 if self.role == "prefill" else sum(
-            max(0, min(r.params.max_tokens - len(r.output_ids), e.max_model_len - r.num_tokens)) for r in reqs)
+        # One pass, no property calls: this runs after every step, over every request.
+        max_len, decoding = e.max_model_len, self.role != "prefill"
+        prefill = decode = 0
+        for queue in (s.running, s.waiting):
+            for r in queue:
+                made = len(r.output_ids)
+                tokens = len(r.prompt_ids) + made
+                if r.prefilling:
+                    prefill += tokens - r.num_computed
+                if decoding:
+                    left = min(r.params.max_tokens - made, max_len - tokens)
+                    if left > 0:
+                        decode += left
+        requests = len(s.running) + len(s.waiting)
         free, waiting = e.num_free_pages, len(self._resolving)
         for c, _ in self._resolving.values():  # hand-offs whose KV is on its way hold their pages and slots already
             free -= self._kv_pages(c)
             decode += max(0, min(c.params.max_tokens - len(c.output_ids), e.max_model_len - _kv_tokens(c) - 1))
-        return EngineLoad(max(0, free), e.allocator.num_usable, len(reqs) + waiting, prefill + decode)
+        return EngineLoad(max(0, free), e.allocator.num_usable, requests + waiting, prefill + decode)
 
 
 
