@@ -65,6 +65,21 @@ def test_given_up_and_hung_are_not_lost_but_hung_is_a_violation():
     assert violations(f, rss_growth_limit_mb=1.0) == ["hung: 1"]
 
 
+def test_latencies_split_into_fault_windows_clean_and_steady():
+    """Inside the window (100..115): faults. After it: clean, and steady only from 30 s after its end
+    (a fault's backlog drains in between); before the first fault: clean and steady."""
+    def stream(sent: float, ttft: float) -> Outcome:
+        o = _greedy(0, REF[0], sent)
+        o.token_times = [sent + ttft, sent + ttft + 0.01, sent + ttft + 0.02]
+        return o
+
+    f = _figures([stream(10.0, 0.1), stream(105.0, 9.0), stream(120.0, 5.0), stream(150.0, 0.2)], "complete")
+    assert f["ttft_p50_s"]["faults"] == pytest.approx(9.0)
+    assert sorted([f["ttft_p50_s"]["clean"], f["ttft_p99_s"]["clean"]]) == pytest.approx([0.2, 5.0])
+    assert f["ttft_p99_s"]["steady"] == pytest.approx(0.2) and f["ttft_p50_s"]["steady"] == pytest.approx(0.1)
+    assert f["tpot_p50_s"] == pytest.approx({"faults": 0.01, "clean": 0.01, "steady": 0.01})
+
+
 def test_an_unknown_text_check_is_refused():
     with pytest.raises(ValueError, match="text_check must be one of"):
         _figures([], "roughly")
