@@ -44,25 +44,37 @@ from worker.worker import Worker  # noqa: E402
 
 
 class _Answered:
-    def __init__(self, result: StepResult) -> None:
-        self._result = result
+    def __init__(self, result: StepResult, done_at: float) -> None:
+        self._result, self._done_at = result, done_at
 
     def result(self) -> StepResult:
+        wait = self._done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)  # as a device wait does, this lets other threads have the GIL
         return self._result
 
 
 class HostOnlyExecutor:
     """An executor with the worker's geometry that answers every step at once: one uniformly random
-    token per sampled row (printable ids, so the text grows as a model's would)."""
+    token per sampled row (printable ids, so the text grows as a model's would).
 
-    def __init__(self, worker: Worker, seed: int = 0) -> None:
+    ``device_s`` > 0 stands in for a device: steps run one after another, each ``device_s`` long from
+    when it was submitted or the one before it ended, and reading a result sleeps until then.
+    """
+
+    def __init__(self, worker: Worker, seed: int = 0, device_s: float = 0.0) -> None:
         self.arch, self.num_pages, self.max_len = worker.arch, worker.num_pages, worker.max_len
         self._rng = random.Random(seed)
         self._low, self._high = 10, worker.arch.vocab_size - 1
+        self.device_s = device_s
+        self._device_free_at = 0.0
 
     def submit(self, msg: StepMessage) -> _Answered:
         randint = self._rng.randint
-        return _Answered(StepResult(token_ids=[randint(self._low, self._high) for _ in msg.logits_rows]))
+        done_at = 0.0
+        if self.device_s > 0:
+            done_at = self._device_free_at = max(time.perf_counter(), self._device_free_at) + self.device_s
+        return _Answered(StepResult(token_ids=[randint(self._low, self._high) for _ in msg.logits_rows]), done_at)
 
     def shutdown(self) -> None:
         pass

@@ -78,6 +78,7 @@ class EngineHost:
         self._inbox: dict[int, list] = {}  # batch number -> commands (applied in number order)
         self._applied = 0
         self._report = GroupReport()
+        self._report_rows: dict[str, int] = {}  # request id -> index of its event in self._report.events
         self._new = False  # the report has something a poll should not wait for
         self._stopping = False
         self._step_started: float | None = None
@@ -106,7 +107,7 @@ class EngineHost:
             while not self._new and not self._stopping and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
             report, self._report, self._new = self._report, GroupReport(), False
-            report.events = merge_by_request(report.events)
+            self._report_rows = {}
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
             return report
@@ -333,7 +334,18 @@ class EngineHost:
         self._pending = GroupReport()
         with self._cond:
             r = self._report
-            r.events.extend(p.events)
+            rows = self._report_rows
+            # One event per request in a report, in the order of each request's first: a lagging
+            # reader costs one event per request however many steps it missed. Merged here, a step
+            # at a time, not when the report is taken: the report link's thread takes the GIL the
+            # loop needs, so it only swaps the report and pickles it.
+            for ev in p.events:
+                i = rows.get(ev.request_id)
+                if i is None:
+                    rows[ev.request_id] = len(r.events)
+                    r.events.append(ev)
+                else:
+                    r.events[i] = merge_events((r.events[i], ev))
             r.staged.update(p.staged)
             r.accepted.extend(p.accepted)
             r.refused.extend(p.refused)
@@ -372,15 +384,3 @@ class EngineHost:
 def _kv_tokens(c: Prefilled) -> int:
     """Tokens of ``c`` whose KV it brings: all but the last, which its first decode step writes."""
     return len(c.prompt_ids) + len(c.output_ids) - 1
-
-
-def merge_by_request(events: list[RequestEvent]) -> list[RequestEvent]:
-    """One event per request (:func:`worker.outputs.merge_events` of its events, in order), in the
-    order of each request's first: a lagging reader then costs one event per request however many
-    steps it missed."""
-    if len({ev.request_id for ev in events}) == len(events):
-        return events  # one step since the last poll: nothing to merge
-    by_request: dict[str, list[RequestEvent]] = {}
-    for ev in events:
-        by_request.setdefault(ev.request_id, []).append(ev)
-    return [merge_events(evs) for evs in by_request.values()]

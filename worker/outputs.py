@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,22 @@ def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
     the finish of the last."""
     if len(events) == 1:
         return events[0]
+    # One pass and the constructor, not ``dataclasses.replace`` (which inspects the fields on every
+    # call): a group's leader merges a lagging reader's events a step at a time.
+    tokens: list[int] = []
+    texts: list[str] = []
+    logprobs: list[float] | None = None
+    phases = None
+    for e in events:
+        tokens += e.token_ids
+        texts.append(e.text)
+        if e.logprobs is not None:
+            logprobs = (logprobs or []) + e.logprobs
+        if phases is None:
+            phases = e.phases
     last = events[-1]
-    logprobs = None
-    if any(e.logprobs is not None for e in events):
-        logprobs = [lp for e in events for lp in (e.logprobs or ())]
-    return replace(last, token_ids=[t for e in events for t in e.token_ids], text="".join(e.text for e in events),
-                   logprobs=logprobs, phases=next((e.phases for e in events if e.phases is not None), None))
+    return RequestEvent(last.request_id, tokens, "".join(texts), last.finished, last.finish_reason, logprobs,
+                        last.error, last.failure, phases)
 
 
 @dataclass(frozen=True)
