@@ -42,7 +42,7 @@ from cluster.group_messages import (
 from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
 from cluster.threads import name_os_thread
 from worker.engine import Engine
-from worker.outputs import FailureKind, RequestEvent, merge_events
+from worker.outputs import FailureKind, RequestEvent, extend_event, merge_events
 from worker.request import Request, RequestRejected
 from worker.tokenizer import load_tokenizer
 
@@ -79,6 +79,7 @@ class EngineHost:
         self._applied = 0
         self._report = GroupReport()
         self._report_rows: dict[str, int] = {}  # request id -> index of its event in self._report.events
+        self._report_merged: set[str] = set()  # request ids whose event there is a merge of the report's own
         self._new = False  # the report has something a poll should not wait for
         self._stopping = False
         self._step_started: float | None = None
@@ -107,7 +108,7 @@ class EngineHost:
             while not self._new and not self._stopping and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
             report, self._report, self._new = self._report, GroupReport(), False
-            self._report_rows = {}
+            self._report_rows, self._report_merged = {}, set()
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
             return report
@@ -323,35 +324,50 @@ class EngineHost:
 
     def _publish(self, events: list[RequestEvent]) -> None:
         e = self.engine
+        ended = False
         for i, ev in enumerate(events):
             if ev.finished or ev.finish_reason == "handoff":
                 if ev.finish_reason == "error" and ev.error is None:
                     events[i] = dataclasses.replace(ev, error=e.errors.get(ev.request_id),
                                                     failure=FailureKind.GROUP_FAILED)
                 e.release(ev.request_id)
-        load, p = self._load(), self._pending
+                ended = True
+        p = self._pending
         p.events.extend(events)
         self._pending = GroupReport()
+        # The load is taken for every report, and again whenever it changes other than by decoding
+        # (a request ended, commands were applied, anything besides events happened). Decode steps
+        # into a report not yet taken (a reader that lags: the loop is host-bound) leave it as it
+        # was: it stays paired with the batches applied when it was taken.
+        r = self._report
+        fresh = (r.load is None or ended or r.applied != self._applied or p.staged or p.accepted or p.refused
+                 or p.replans or not p.events)
+        load = self._load() if fresh else r.load
         with self._cond:
             r = self._report
-            rows = self._report_rows
+            rows, merged = self._report_rows, self._report_merged
             # One event per request in a report, in the order of each request's first: a lagging
             # reader costs one event per request however many steps it missed. Merged here, a step
             # at a time, not when the report is taken: the report link's thread takes the GIL the
             # loop needs, so it only swaps the report and pickles it.
             for ev in p.events:
-                i = rows.get(ev.request_id)
+                rid = ev.request_id
+                i = rows.get(rid)
                 if i is None:
-                    rows[ev.request_id] = len(r.events)
+                    rows[rid] = len(r.events)
                     r.events.append(ev)
+                elif rid in merged:
+                    extend_event(r.events[i], ev)
                 else:
                     r.events[i] = merge_events((r.events[i], ev))
+                    merged.add(rid)
             r.staged.update(p.staged)
             r.accepted.extend(p.accepted)
             r.refused.extend(p.refused)
             r.replans.extend(p.replans)
             changed = r.load != load
-            r.load, r.applied = load, self._applied  # the load as of these batches, never of later ones
+            if r.load is None or fresh:
+                r.load, r.applied = load, self._applied  # the load as of these batches, never of later ones
             if p.events or p.staged or p.accepted or p.refused or p.replans or changed:
                 self._new = True
                 self._cond.notify_all()

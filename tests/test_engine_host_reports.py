@@ -97,3 +97,16 @@ def test_merged_events_keep_every_token_logprob_and_the_last_finish():
         [1, 2, 3, 4], "abcd", [-0.1, -0.2, -0.3], True, "error", "boom", FailureKind.GROUP_FAILED, (0.5, 0.25))
     assert merge_events([a, a]).logprobs is None and a.token_ids == [1], "the events merged are left as they were"
     assert merge_events([b]) is b
+
+
+def test_an_owned_merge_is_extended_in_place_as_merge_events_would():
+    from worker.outputs import RequestEvent, extend_event, merge_events
+
+    events = [RequestEvent("r", [1], "a", False, phases=(1.0, 2.0)), RequestEvent("r", [2], "b", False),
+              RequestEvent("r", [3, 4], "cd", False, logprobs=[-1.0, -2.0]),
+              RequestEvent("r", [5], "e", True, "length", [-3.0])]
+    into = merge_events(events[:2])
+    for ev in events[2:]:
+        extend_event(into, ev)
+    assert into == merge_events(events)
+    assert events[0].token_ids == [1] and events[2].logprobs == [-1.0, -2.0], "only the merge result changed"

@@ -100,6 +100,22 @@ def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
                         last.error, last.failure, phases)
 
 
+def extend_event(into: RequestEvent, later: RequestEvent) -> None:
+    """:func:`merge_events` of ``(into, later)`` written into ``into``, which must be the caller's own
+    (a merge result no one else holds: events are otherwise treated as immutable)."""
+    into.token_ids += later.token_ids
+    into.text += later.text
+    if later.logprobs is not None:
+        if into.logprobs is None:
+            into.logprobs = list(later.logprobs)
+        else:
+            into.logprobs += later.logprobs
+    into.finished, into.finish_reason, into.error, into.failure = (later.finished, later.finish_reason, later.error,
+                                                                   later.failure)
+    if into.phases is None:
+        into.phases = later.phases
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """A finished request: its prompt and output tokens, text and finish reason (with why, on an error)."""
