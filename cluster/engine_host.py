@@ -39,10 +39,11 @@ from cluster.group_messages import (
     Replanned,
     Staged,
 )
+from cluster.report_buffer import ReportBuffer, load_is_stale
 from cluster.step_channel import IMPORT, STAGE, LeaderExecutor
 from cluster.threads import name_os_thread
 from worker.engine import Engine
-from worker.outputs import FailureKind, RequestEvent, extend_event, merge_events
+from worker.outputs import FailureKind, RequestEvent
 from worker.request import Request, RequestRejected
 from worker.tokenizer import load_tokenizer
 
@@ -77,9 +78,7 @@ class EngineHost:
         self._cond = threading.Condition()
         self._inbox: dict[int, list] = {}  # batch number -> commands (applied in number order)
         self._applied = 0
-        self._report = GroupReport()
-        self._report_rows: dict[str, int] = {}  # request id -> index of its event in self._report.events
-        self._report_merged: set[str] = set()  # request ids whose event there is a merge of the report's own
+        self._report = ReportBuffer()
         self._new = False  # the report has something a poll should not wait for
         self._stopping = False
         self._step_started: float | None = None
@@ -107,8 +106,7 @@ class EngineHost:
         with self._cond:
             while not self._new and not self._stopping and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
-            report, self._report, self._new = self._report, GroupReport(), False
-            self._report_rows, self._report_merged = {}, set()
+            report, self._new = self._report.take(), False
             report.step_s = time.monotonic() - self._step_started if self._step_started is not None else 0.0
             report.loop_error = self._error
             return report
@@ -335,39 +333,17 @@ class EngineHost:
         p = self._pending
         p.events.extend(events)
         self._pending = GroupReport()
-        # The load is taken for every report, and again whenever it changes other than by decoding
-        # (a request ended, commands were applied, anything besides events happened). Decode steps
-        # into a report not yet taken (a reader that lags: the loop is host-bound) leave it as it
-        # was: it stays paired with the batches applied when it was taken.
-        r = self._report
-        fresh = (r.load is None or ended or r.applied != self._applied or p.staged or p.accepted or p.refused
-                 or p.replans or not p.events)
-        load = self._load() if fresh else r.load
+        # Taken outside the lock (it walks every request); the report thread may swap the report
+        # meanwhile, so a new report without a load takes the last one, still paired with `applied`.
+        previous = self._report.report
+        stale = load_is_stale(previous, p, self._applied, ended)
+        load = self._load() if stale else previous.load
         with self._cond:
-            r = self._report
-            rows, merged = self._report_rows, self._report_merged
-            # One event per request in a report, in the order of each request's first: a lagging
-            # reader costs one event per request however many steps it missed. Merged here, a step
-            # at a time, not when the report is taken: the report link's thread takes the GIL the
-            # loop needs, so it only swaps the report and pickles it.
-            for ev in p.events:
-                rid = ev.request_id
-                i = rows.get(rid)
-                if i is None:
-                    rows[rid] = len(r.events)
-                    r.events.append(ev)
-                elif rid in merged:
-                    extend_event(r.events[i], ev)
-                else:
-                    r.events[i] = merge_events((r.events[i], ev))
-                    merged.add(rid)
-            r.staged.update(p.staged)
-            r.accepted.extend(p.accepted)
-            r.refused.extend(p.refused)
-            r.replans.extend(p.replans)
-            changed = r.load != load
-            if r.load is None or fresh:
-                r.load, r.applied = load, self._applied  # the load as of these batches, never of later ones
+            buffer = self._report
+            buffer.add(p)
+            changed = buffer.report.load != load
+            if stale or buffer.report.load is None:
+                buffer.set_load(load, self._applied)  # the load as of these batches, never of later ones
             if p.events or p.staged or p.accepted or p.refused or p.replans or changed:
                 self._new = True
                 self._cond.notify_all()

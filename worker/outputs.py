@@ -82,22 +82,14 @@ def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
     the finish of the last."""
     if len(events) == 1:
         return events[0]
-    # One pass and the constructor, not ``dataclasses.replace`` (which inspects the fields on every
-    # call): a group's leader merges a lagging reader's events a step at a time.
-    tokens: list[int] = []
-    texts: list[str] = []
-    logprobs: list[float] | None = None
-    phases = None
-    for e in events:
-        tokens += e.token_ids
-        texts.append(e.text)
-        if e.logprobs is not None:
-            logprobs = (logprobs or []) + e.logprobs
-        if phases is None:
-            phases = e.phases
-    last = events[-1]
-    return RequestEvent(last.request_id, tokens, "".join(texts), last.finished, last.finish_reason, logprobs,
-                        last.error, last.failure, phases)
+    # A copy of the first (its lists its own), extended by the rest; the constructor, not
+    # ``dataclasses.replace``, which inspects the fields on every call.
+    f = events[0]
+    merged = RequestEvent(f.request_id, list(f.token_ids), f.text, f.finished, f.finish_reason,
+                          None if f.logprobs is None else list(f.logprobs), f.error, f.failure, f.phases)
+    for e in events[1:]:
+        extend_event(merged, e)
+    return merged
 
 
 def extend_event(into: RequestEvent, later: RequestEvent) -> None:

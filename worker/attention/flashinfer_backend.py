@@ -330,12 +330,13 @@ class FlashInferBackend(AttentionBackend):
         lens[:live] = seq
         lens[live:rows] = 1
         s = self.shape
+        # Only the plan info changes: the fa2 run reads no other state plan sets (``_max_kv_len``
+        # is the trtllm-gen and cute-dsl paths').
         wrapper._plan_info = wrapper._cached_module.plan(
             wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
             self._decode_qo_host[: rows + 1], self._host_views["kv_indptr"][: rows + 1], self._kv_lens_host[:rows],
             rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
             False, -1, -1, False, 0, 0)
-        wrapper._max_kv_len = int(lens[:rows].max())
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v`` at the planned locations (one fused kernel; graph-safe)."""
