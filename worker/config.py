@@ -54,11 +54,11 @@ class AttentionConfig(Section):
     backend: attention kernels; "auto" picks per device.
     fast_decode_plan: flashinfer only: re-plan a captured decode shape through flashinfer's
         scheduler alone (vLLM's and SGLang's fast_decode_plan), skipping its Python plan's checks
-        and copies; off until measured on the GPU.
+        and copies (on the H200 at batch 64: 209 against 353-515 us of host time a step).
     """
 
     backend: AttentionBackend = "auto"
-    fast_decode_plan: bool = False
+    fast_decode_plan: bool = True
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ every ``plan`` of a batch padded to exactly that shape routes to it, so a graph 
 ``plan`` writes the padding rows (``AttentionBackend.plan``) into the host twin after the batch's
 own rows; the batch's lists are read, never copied or extended.
 
-Fast decode plan (``fast_decode_plan``, off by default until measured on the GPU): a captured decode
+Fast decode plan (``fast_decode_plan``, on by default in the engine config): a captured decode
 shape's wrapper, once planned the ordinary way, is re-planned by calling its compiled scheduler
 (``_cached_module.plan``) directly with the host arrays this backend already has, as vLLM's and
 SGLang's ``fast_decode_plan`` do. flashinfer's Python ``plan`` around that call checks its
