@@ -4,6 +4,13 @@ A backend captures a zero-argument callable ``fn`` that reads the runner's stati
 writes its static outputs. It owns nothing else: shapes, buffers and padding belong to the
 runner. Every CUDA backend captures on the process capture stream into the process pool
 (:mod:`graphs.process`).
+
+Warm-ups: a backend's first capture warms up outside the pool (whatever ``fn`` creates lazily
+on its first runs, such as the capture stream's cuBLAS workspace, stays outside), and the
+blocks it cached are given back before the capture grows the pool. Every later warm-up runs
+inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never
+hold an activation peak beside the graphs; one that leaves anything allocated there raises
+:class:`WarmUpLeakError`, since a later replay would overwrite it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.piecewise import CompileClock, compile_clock
-from graphs.process import capture_stream, graph_pool, pool_bytes
+from graphs.process import allocations_in_pool, capture_stream, graph_pool, pool_usage, release_warm_up_memory
 
 
 @dataclass
@@ -34,6 +41,11 @@ class CapturedShape:
     num_breaks: int = 0
     hits: int = 0
     artifact: object = field(default=None, repr=False)
+
+
+class WarmUpLeakError(RuntimeError):
+    """A warm-up inside the graph pool left memory allocated there: graph replays would overwrite
+    it. Not a :class:`CaptureError`: running the shape eagerly would not take the block back."""
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -77,11 +89,13 @@ class GraphBackend(ABC):
     is_graph: bool = True  # whether a replay counts as a CUDA-graph pass
 
     def __init__(self, device: torch.device, warmup: int = 2,
-                 barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> None:
+                 barrier: Callable[[], None] | None = None, pool: tuple | None = None,
+                 warm_up_in_pool: bool = True) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
         self._pool = pool
+        self.warm_up_in_pool = warm_up_in_pool
         self.shapes: dict[Hashable, CapturedShape] = {}
 
     @property
@@ -96,13 +110,15 @@ class GraphBackend(ABC):
         """Warm up ``fn`` on the capture stream, then capture it for ``key``.
 
         Raises :class:`CaptureError` naming the shape and the offending call on failure; nothing
-        is recorded for ``key`` then.
+        is recorded for ``key`` then. The shape's resident bytes are the pool's growth over its
+        warm-up (when that runs in the pool) and its capture.
         """
         start = time.perf_counter()
         try:
-            self._warm_up(fn)
-            before = self._reserved()  # after warm-up: its allocations are not graph memory
+            before = self._warm_up_measured(key, fn, phase)
             artifact, segments, breaks = self._capture(fn)
+        except WarmUpLeakError:
+            raise
         except CaptureError as e:
             raise CaptureError(f"{phase} shape {key}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any failure inside capture is reported with its call
@@ -137,20 +153,44 @@ class GraphBackend(ABC):
 
     def _reserved(self) -> int:
         """Bytes held by this backend's pool (its growth around a capture is the shape's cost)."""
+        return self._usage()[0]
+
+    def _usage(self) -> tuple[int, int]:
+        """(reserved, allocated) bytes of this backend's pool, after the device is idle."""
+        if self.device.type != "cuda":
+            return 0, 0
+        torch.cuda.synchronize(self.device)
+        return pool_usage(self.pool, self.device)
+
+    def _warm_up_measured(self, key: Hashable, fn: Callable[[], None], phase: str) -> int:
+        """Warm ``fn`` up (see the module docstring: outside the pool on this backend's first
+        capture, inside it after) and return the pool bytes the shape's growth counts from."""
         if self.device.type != "cuda":
             return 0
-        torch.cuda.synchronize(self.device)
-        return pool_bytes(self.pool, self.device)
+        if not (self.warm_up_in_pool and self.shapes):
+            self._warm_up(fn, in_pool=False)
+            release_warm_up_memory(self.device)  # before the capture grows the pool beside it
+            return self._reserved()
+        reserved, allocated = self._usage()
+        self._warm_up(fn, in_pool=True)
+        release_warm_up_memory(self.device)  # frees deferred by stream events are settled
+        left = self._usage()[1] - allocated
+        if left > 0:
+            raise WarmUpLeakError(
+                f"the warm-up of {phase} shape {key} ({self.name} backend) left {left} bytes allocated in the "
+                "graph pool, on blocks that captured graphs use as scratch: something in the forward creates "
+                "a buffer on a later run that its first run did not. Set graphs.warm_up_in_pool: false "
+                "(warm-ups then run outside the pool, holding their own activation peak while graphs capture)")
+        return reserved
 
-    def _warm_up(self, fn: Callable[[], None]) -> None:
-        if self.device.type != "cuda":
-            return
+    def _warm_up(self, fn: Callable[[], None], in_pool: bool) -> None:
         stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                if self.barrier is not None:
-                    self.barrier()
+        for _ in range(self.warmup):
+            if self.barrier is not None:
+                self.barrier()  # outside the pool: a collective's own buffers are not the forward's
+            with allocations_in_pool(self.pool, self.device) if in_pool else contextlib.nullcontext(), \
+                    torch.cuda.stream(stream):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -248,8 +288,9 @@ class _CompileTimed(GraphBackend):
     name = "tc_piecewise"
 
     def __init__(self, device: torch.device, warmup: int = 2,
-                 barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> None:
-        super().__init__(device, warmup, barrier, pool)
+                 barrier: Callable[[], None] | None = None, pool: tuple | None = None,
+                 warm_up_in_pool: bool = True) -> None:
+        super().__init__(device, warmup, barrier, pool, warm_up_in_pool)
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         self.compiles = 0
@@ -318,8 +359,8 @@ class DebugBackend(GraphBackend):
     name = "debug"
     is_graph = False
 
-    def _warm_up(self, fn):
-        pass
+    def _warm_up_measured(self, key, fn, phase):
+        return 0
 
     def _capture(self, fn):
         return fn, 0, 1
@@ -338,15 +379,17 @@ OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBac
 
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
-                   barrier: Callable[[], None] | None = None, pool: tuple | None = None) -> GraphBackend:
+                   barrier: Callable[[], None] | None = None, pool: tuple | None = None,
+                   warm_up_in_pool: bool = True) -> GraphBackend:
     """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` is the eager runner: no backend).
 
     Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
+    ``warm_up_in_pool``: see the module docstring.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if device.type == "cuda":
-        return BACKENDS[name](device, warmup, barrier, pool)
+        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool)
     if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
-    return OFF_CUDA[name](device, warmup, barrier, pool)
+    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool)

@@ -104,6 +104,9 @@ class GraphsConfig(Section):
         between two steps, as ``POST /admin/replan`` does (each re-plan that fires doubles the
         interval until a look finds no drift). None = only on request.
     replan_padding_share: the padding share in (0, 1) that triggers an automatic re-plan.
+    warm_up_in_pool: each backend's warm-ups after its first capture run inside the graph pool,
+        on the blocks captured graphs leave free, so capture holds no activation peak beside the
+        graphs; false runs every warm-up outside the pool (graphs.backends).
     """
 
     enabled: bool = True
@@ -116,6 +119,7 @@ class GraphsConfig(Section):
     capture_timeout_s: float = 600.0
     replan_interval_s: float | None = None
     replan_padding_share: float = 0.1
+    warm_up_in_pool: bool = True
 
     def __post_init__(self) -> None:
         budget = self.memory_budget

@@ -11,6 +11,7 @@ Both are created lazily on first use, per device, and live as long as the proces
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -54,12 +55,38 @@ def graph_pool(device: torch.device | int | None = None) -> tuple:
 
 def pool_bytes(pool: tuple, device: torch.device | int | None = None) -> int:
     """Bytes of device memory currently reserved by the graph pool ``pool`` (from the allocator)."""
+    return pool_usage(pool, device)[0]
+
+
+def pool_usage(pool: tuple, device: torch.device | int | None = None) -> tuple[int, int]:
+    """(reserved, allocated) bytes of the graph pool ``pool``: what its segments hold, and what of
+    that live tensors (static outputs, buffers created inside the pool) still occupy."""
     idx = _index(device)
-    total = 0
+    reserved = allocated = 0
     for segment in torch.cuda.memory_snapshot():
         if segment.get("device") == idx and tuple(segment.get("segment_pool_id", ())) == tuple(pool):
-            total += segment["total_size"]
-    return total
+            reserved += segment["total_size"]
+            allocated += segment["allocated_size"]
+    return reserved, allocated
+
+
+@contextlib.contextmanager
+def allocations_in_pool(pool: tuple, device: torch.device | int | None = None):
+    """Route the calling thread's CUDA allocations into the graph pool ``pool`` (outside capture).
+
+    A warm-up run here draws its activations from the blocks earlier captures left free, and the
+    capture that follows reuses the blocks the warm-up freed, so warm-up and graphs never hold
+    the activation peak twice. Hazard: a block the pool has free is scratch of a captured graph,
+    rewritten on every replay; whatever is allocated here must be freed before the next replay
+    (:class:`graphs.backends.GraphBackend` checks that a warm-up leaves nothing allocated).
+    """
+    idx = _index(device)
+    torch._C._cuda_beginAllocateCurrentThreadToPool(idx, pool)
+    try:
+        yield
+    finally:
+        torch._C._cuda_endAllocateToPool(idx, pool)
+        torch._C._cuda_releasePool(idx, pool)
 
 
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
@@ -75,9 +102,9 @@ def release_warm_up_memory(device: torch.device) -> None:
     """Give the caching allocator's free blocks back to the driver at the end of a capture pass
     (nothing to give back on a CPU device).
 
-    Each shape's warm-up runs eagerly on the capture stream and allocates from the regular
-    allocator (only captures allocate from the pool). Blocks cached for that stream serve no
-    later allocation (steps run on the compute stream, captures draw on the pool), so without
+    A backend's first warm-up runs eagerly on the capture stream from the regular allocator (its
+    later ones run in the pool: :func:`allocations_in_pool`). Blocks cached for that stream serve
+    no later allocation (steps run on the compute stream, captures draw on the pool), so without
     this they stay reserved beside the graph pool: about one activation peak of the largest
     warm-up. Blocks of a live graph pool are never free to the allocator and are kept.
     """

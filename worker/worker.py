@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from graphs.backends import create_backend
+from graphs.backends import GraphBackend, create_backend
 from graphs.buckets import default_decode_ladder
 from graphs.budget import ReplanSummary, capture_within_budget
 from graphs.decode import DecodeGraphRunner
@@ -287,6 +287,10 @@ class Worker:
             return None
         return lambda: torch.distributed.barrier(group=self.tp.group)
 
+    def _graph_backend(self, name: str, pool: tuple | None) -> GraphBackend:
+        return create_backend(name, self.device, barrier=self._barrier(), pool=pool,
+                              warm_up_in_pool=self.config.graphs.warm_up_in_pool)
+
     def _build_prefill_runner(self, planner_candidates: bool, pool: tuple | None = None,
                               ) -> PrefillGraphRunner | EagerRunner:
         """The prefill graph runner (not yet captured) over its candidate ladder, or the eager runner
@@ -301,7 +305,7 @@ class Worker:
                         "with fixed request slots; breakable is the production default")
         step = self._compiled_prefill_step() if name == "tc_piecewise" else \
             ModelPrefillStep(self.model, self.attention, breakable=name != "full")
-        return PrefillGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool), ladder,
+        return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder,
                                   p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
                                   self.dtype)
 
@@ -322,7 +326,7 @@ class Worker:
         if name is None:
             return EagerRunner("decode", reason, self.graph_metrics)
         step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
-        return DecodeGraphRunner(step, create_backend(name, self.device, barrier=self._barrier(), pool=pool),
+        return DecodeGraphRunner(step, self._graph_backend(name, pool),
                                  self._decode_ladder(planner_candidates), self.config.graphs.decode.padding,
                                  self.graph_metrics)
 

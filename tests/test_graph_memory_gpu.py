@@ -1,0 +1,134 @@
+"""Graph memory on the GPU: warm-ups inside the graph pool, the leak check, KV pages with graphs on."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from deploy.config import load_config
+from graphs.backends import WarmUpLeakError, create_backend
+from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
+from graphs.process import pool_bytes
+from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
+from tests.reference import OwnModel, rel_l2
+from worker.attention.factory import flashinfer_importable
+from worker.engine import Engine
+from worker.kv_cache import KVCacheShape
+from worker.model.kernels import select_kernels
+from worker.model_steps import ModelPrefillStep
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+SLOTS, CEILING = 4, 4096
+
+
+def _settle() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+@pytest.mark.parametrize("backend", ["breakable", "full"])
+def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint_dir):
+    """Side by side on one model: with warm-ups outside the pool the capture's peak is the pool
+    plus a warm-up's activations; inside it the peak is about the pool, and replays still equal eager."""
+    if not flashinfer_importable():
+        pytest.skip("flashinfer not installed")
+    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend="flashinfer",
+                   num_pages=4096, kernels=select_kernels(CUDA), max_rows=64, max_pages_per_row=512)
+    fill_cache_randomly(own)
+    step = ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable")
+    measured = {}
+    for in_pool in (False, True):
+        pool = torch.cuda.graph_pool_handle()  # a pool of this measurement's own
+        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, warm_up_in_pool=in_pool),
+                                    default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
+        start = _settle()
+        torch.cuda.reset_peak_memory_stats()
+        runner.capture_all(progress=False)
+        assert not runner.failed, runner.failed
+        peak = torch.cuda.max_memory_reserved() - start
+        held = pool_bytes(pool)
+        assert runner.resident_bytes == held  # every byte of the pool is counted to a shape
+        measured[in_pool] = (peak, held)
+        if in_pool:
+            rng = random.Random(1)
+            for _ in range(20):
+                live = random_prefill_batch(own, rng, SLOTS, CEILING // SLOTS - 64, max_prefix=200).live
+                ref = eager_hidden(own, live).clone()
+                choice = runner.decide(live)
+                if choice.replays:
+                    assert rel_l2(runner.execute(live, choice), ref) <= 2e-2
+        runner.release()
+        del runner
+    (out_peak, out_pool), (in_peak, in_pool_bytes) = measured[False], measured[True]
+    print(f"{backend}: warm-ups outside the pool: peak {out_peak / 2**20:.1f} MiB, pool {out_pool / 2**20:.1f} MiB; "
+          f"inside: peak {in_peak / 2**20:.1f} MiB, pool {in_pool_bytes / 2**20:.1f} MiB")
+    assert in_peak < out_peak
+    # Inside the pool the peak is the pool, or the first warm-up's transient if that is larger.
+    assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
+
+
+def test_a_warm_up_that_leaves_memory_in_the_pool_raises():
+    """A forward that creates a buffer on a later shape's first run would have it sit on another
+    graph's scratch: the capture refuses with WarmUpLeakError; outside the pool it captures."""
+    x = torch.randn(1024, 1024, device=CUDA)
+    out = torch.empty_like(x)
+    kept: list[torch.Tensor] = []
+
+    def plain() -> None:
+        out.copy_(x @ x)
+
+    def lazy() -> None:
+        if not kept:
+            kept.append(torch.zeros(4 << 20, device=CUDA))  # made on its first run, kept for good
+        out.copy_(x @ x + kept[0][:1])
+
+    backend = create_backend("full", CUDA, pool=torch.cuda.graph_pool_handle())
+    backend.capture(1, plain, phase="decode")
+    with pytest.raises(WarmUpLeakError, match=r"decode shape 2 \(full backend\) left \d+ bytes"):
+        backend.capture(2, lazy, phase="decode")
+    assert not backend.has(2)
+    backend.release()
+    kept.clear()
+    outside = create_backend("full", CUDA, pool=torch.cuda.graph_pool_handle(), warm_up_in_pool=False)
+    outside.capture(1, plain, phase="decode")
+    outside.capture(2, lazy, phase="decode")
+    outside.replay(2)
+    torch.testing.assert_close(out, x @ x)
+    outside.release()
+
+
+def test_kv_pages_with_graphs_cost_at_most_the_graph_memory_and_capture_fits(checkpoint_dir):
+    """At cache.gpu_memory_fraction=1.0 the KV cache takes every byte but the headroom; graphs then
+    capture (prefill up to the chunk, decode to 256) without running out of memory, and cost at
+    most their measured bytes in KV pages (no hidden reserve)."""
+    path = checkpoint_dir("tiny-llama")
+    common = [f"model.path={path}", "cache.gpu_memory_fraction=1.0", "scheduler.chunked_prefill_size=8192",
+              "scheduler.max_num_batched_tokens=8192"]
+    start = _settle()
+    off = Engine(load_config(None, common + ["graphs.enabled=false"]))
+    pages_off = off.worker.num_pages
+    shape = off.worker.kv_cache.shape
+    off.shutdown()
+    del off
+    assert _settle() <= start + 64 * 2**20, "the graphs-off engine's memory was not given back"
+    on = Engine(load_config(None, common))
+    runner = on.worker.runner
+    assert not runner.prefill_runner.failed and not runner.decode_runner.failed
+    assert runner.prefill_runner.ladder[-1] == 8192
+    graph_bytes = runner.prefill_runner.resident_bytes + runner.decode_runner.resident_bytes
+    pages_on = on.worker.num_pages
+    per_page = KVCacheShape(shape.num_layers, 1, shape.page_size, shape.num_kv_heads,
+                            shape.head_dim).bytes_per_page(torch.bfloat16)
+    print(f"KV pages: graphs off {pages_off}, on {pages_on}; graph memory {graph_bytes / 2**20:.1f} MiB "
+          f"({graph_bytes // per_page} pages' worth)")
+    assert (pages_off - pages_on) * per_page <= graph_bytes
+    from worker.sampling.params import SamplingParams
+    got = on.generate([[5] * 300, [7] * 40], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in got] == [8, 8]
+    on.shutdown()
