@@ -79,3 +79,5 @@ def test_live_replan_with_real_graphs_keeps_requests_and_the_budget(ray_gpu, set
         assert "error" not in result, result
         assert result["before"]["decode"] != result["after"]["decode"], result
         assert 0 < result["resident_bytes"] <= result["budget_bytes"], result
+        print("live re-plan on the GPU:", {k: result.get(k) for k in ("seconds", "resident_bytes", "budget_bytes",
+                                                                       "before", "after")})
