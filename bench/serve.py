@@ -9,7 +9,9 @@ decode passes (``decode_cuda_graph`` + ``decode_breakable``) over all decode pas
 and the TTFT's mean by phase: preprocessing, the engine's queue, its prefill, and the rest (the
 fleet, the hops between processes, delivery).
 ``--compare`` also times the in-process engine's decode step at ``--compare-batch`` requests and
-the same batch through Serve (steady-state decode tokens/s of both, and their ratio).
+the same batch through Serve (steady-state decode tokens/s of both, and their ratio). The Serve
+side runs ``--compare-repeats`` times, fresh prompts each, and reports the median (min, max) with
+each run's window diagnostics (:func:`bench.serve_load.window_diagnostics`).
 
 GPU machine: ``PYTHONPATH=/tmp/site:. python3 bench/serve.py`` (add ``--mode disaggregated`` with
 two GPUs). Here, on CPU: ``python bench/serve.py --quick`` (tiny-llama, a few prompts).
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 import urllib.request
@@ -33,7 +36,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from bench.common import decode_step_seconds, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve_load import random_prompts, run_load, steady_decode_rate, summarize  # noqa: E402
+from bench.serve_load import (  # noqa: E402
+    ClientCpu,
+    random_prompts,
+    run_load,
+    steady_decode_rate,
+    summarize,
+    window_diagnostics,
+)
 
 REPLAYED = ("decode_cuda_graph", "decode_breakable")
 #: Sizes that keep a CPU run (no GPU) quick: small cache, batch and prefill chunks.
@@ -146,6 +156,61 @@ def in_process_decode(path: Path, overrides: list[str], batch: int, context: int
     return {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step}
 
 
+def model_max_len(card: dict, path: Path | None) -> tuple[int | None, str]:
+    """The longest sequence the server takes, and where that came from: its ``/v1/models`` card's
+    ``max_model_len`` (ours and vLLM's give it), else the checkpoint's ``max_position_embeddings``."""
+    if card.get("max_model_len"):
+        return int(card["max_model_len"]), "the server's max_model_len"
+    if path is not None:
+        positions = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        if positions:
+            return int(positions), "the checkpoint's max_position_embeddings"
+    return None, "unknown"
+
+
+def capped_compare_tokens(tokens: int, input_len: int, max_len: int | None) -> int:
+    """``tokens``, or fewer so that ``input_len`` + tokens fits ``max_len`` (None: no cap)."""
+    if max_len is None:
+        return tokens
+    if max_len - input_len < 1:
+        raise SystemExit(f"--input-len {input_len} leaves no room for output in a context of {max_len}")
+    return min(tokens, max_len - input_len)
+
+
+def aggregate_compare(runs: list[dict], in_process_tokens_per_s: float) -> dict:
+    """The Serve side of ``--compare`` over its runs: the median ``serve_tokens_per_s`` and
+    ``serve_over_in_process``, each with ``_min`` and ``_max``, over the runs that have a rate
+    (``serve_runs_measured`` of them; a run with no window has None and is left out)."""
+    rates = sorted(r["serve_tokens_per_s"] for r in runs if r.get("serve_tokens_per_s") is not None)
+    out: dict = {"serve_runs_measured": len(rates)}
+    for key, scale in (("serve_tokens_per_s", 1.0), ("serve_over_in_process", 1.0 / in_process_tokens_per_s)):
+        out[key] = statistics.median(rates) * scale if rates else None
+        out[f"{key}_min"] = rates[0] * scale if rates else None
+        out[f"{key}_max"] = rates[-1] * scale if rates else None
+    return out
+
+
+def serve_decode_run(base: str, model: str, prompts: list[list[int]], tokens: int, seed: int, headers: dict,
+                     in_process_tokens_per_s: float) -> dict:
+    """One Serve side run of ``--compare``: every prompt at once, its steady decode rate, the ratio to
+    in-process, and :func:`window_diagnostics` of it."""
+    cpu = ClientCpu()
+    records, _ = asyncio.run(run_load(base, model, prompts, tokens, float("inf"), seed, headers, cpu=cpu))
+    served = steady_decode_rate(records)
+    failed = [r for r in records if not r.ok]
+    return {"serve_tokens_per_s": served,
+            "serve_over_in_process": served / in_process_tokens_per_s if served else None,
+            "completed": len(records) - len(failed), "failed": len(failed),
+            **(window_diagnostics(records, cpu) or {}),
+            **({"errors": sorted({r.error for r in failed})[:3]} if failed else {})}
+
+
+#: Columns of the per-run table of ``--compare``.
+COMPARE_RUN_COLUMNS = ["run", "serve_tokens_per_s", "serve_over_in_process", "failed", "window_s", "fallback",
+                       "first_token_spread_ms", "requests_in_window", "tokens_in_window", "max_chunk_gap_ms",
+                       "client_cpu_share", "client_loop_cpu_share"]
+
+
 def _free_port() -> int:
     import socket
 
@@ -211,7 +276,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument("--compare", action="store_true", help="also in-process decode vs through Serve")
     ap.add_argument("--compare-batch", type=int, default=64)
-    ap.add_argument("--compare-tokens", type=int, default=256, help="output tokens per request of the Serve side")
+    ap.add_argument("--compare-tokens", type=int, default=1024,
+                    help="output tokens per request of the Serve side (capped so --input-len + it fits the context)")
+    ap.add_argument("--compare-repeats", type=int, default=3,
+                    help="Serve side runs of --compare, back to back (fresh prompts each); the median is reported")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
     ap.add_argument("--start-timeout-s", type=float, default=1800.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -222,6 +290,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.preset, args.num_prompts, args.input_len, args.output_len = "tiny-llama", 8, 32, 16
         args.rates, args.compare, args.compare_batch, args.compare_tokens = "4,inf", True, 4, 32
+        args.compare_repeats = 2
+    if args.compare_repeats < 1:
+        ap.error("--compare-repeats must be at least 1")
     return args
 
 
@@ -240,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     base = args.url.rstrip("/") if args.url else start_app(path, overrides, args.preset,
                                                            direct_ingress=args.direct_ingress)
     health = wait_healthy(base, args.start_timeout_s)
-    model = json.loads(_get(f"{base}/v1/models", headers)[1])["data"][0]["id"]
+    card = json.loads(_get(f"{base}/v1/models", headers)[1])["data"][0]
+    model = card["id"]
     warm = random_prompts(args.warmup, args.input_len, vocab, args.seed + 1)
     for ids in warm:  # first kernels (flashinfer JIT) and shapes
         asyncio.run(run_load(base, model, [ids], args.output_len, float("inf"), args.seed, headers))
@@ -257,12 +329,19 @@ def main(argv: list[str] | None = None) -> None:
                      "decode_graph_hit_ratio": hit_ratio(modes), "decode_passes": modes,
                      "decode_fallbacks": reasons, **phases})
     if compare is not None:
-        prompts = random_prompts(args.compare_batch, args.input_len, vocab, args.seed + 7)
-        records, _ = asyncio.run(run_load(base, model, prompts, args.compare_tokens, float("inf"), args.seed,
-                                          headers))
-        served = steady_decode_rate(records)
-        compare.update({"serve_tokens_per_s": served, "context": args.input_len,
-                        "serve_over_in_process": served / compare["tokens_per_s"] if served else None})
+        max_len, source = model_max_len(card, path)
+        tokens = capped_compare_tokens(args.compare_tokens, args.input_len, max_len)
+        if tokens < args.compare_tokens:
+            print(f"--compare-tokens {args.compare_tokens} capped to {tokens}: --input-len {args.input_len} + "
+                  f"tokens must fit {max_len} ({source})")
+        runs = []
+        for k in range(args.compare_repeats):  # fresh prompts each run (the first run's are the old single run's)
+            prompts = random_prompts(args.compare_batch, args.input_len, vocab, args.seed + 7 + 1000 * k)
+            runs.append({"run": k, **serve_decode_run(base, model, prompts, tokens, args.seed + k, headers,
+                                                      compare["tokens_per_s"])})
+        compare.update({"context": args.input_len, "tokens": tokens, "tokens_requested": args.compare_tokens,
+                        "max_model_len": max_len, "repeats": args.compare_repeats,
+                        **aggregate_compare(runs, compare["tokens_per_s"]), "runs": runs})
 
     print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows],
                 ["rate", "completed", "failed", "request_throughput", "output_throughput", "goodput",
@@ -271,7 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     print("TTFT by phase (means, ms; from /metrics): preprocess + queue + prefill + overhead = ttft")
     print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows], ["rate", *(f"{k}_mean_ms" for k in TTFT_PHASES)])
     if compare is not None:
-        print_table([compare], ["batch", "context", "tokens_per_s", "serve_tokens_per_s", "serve_over_in_process"])
+        print(f"--compare, Serve side: {compare['repeats']} runs of {compare['batch']} requests x "
+              f"{compare['tokens']} tokens (window_s, first token spread, chunk gap: see bench/README.md)")
+        print_table(compare["runs"], COMPARE_RUN_COLUMNS)
+        print_table([compare], ["batch", "context", "tokens_per_s", "serve_tokens_per_s", "serve_tokens_per_s_min",
+                                "serve_tokens_per_s_max", "serve_over_in_process", "serve_over_in_process_min",
+                                "serve_over_in_process_max"])
     name = "serve-quick" if args.quick else f"serve-{args.mode}" + ("-direct" if args.direct_ingress else "")
     out = write_results(name, {"env": environment(), "args": vars(args), "url": args.url, "overrides": overrides,
                                "fleet": health, "rows": rows, "compare": compare})

@@ -4,7 +4,9 @@ Each request is ``POST /v1/completions`` with ``stream: true`` and ``stream_opti
 over aiohttp (present wherever Ray Serve is). A request's token times are the arrival times of
 its SSE chunks that carry text (as in ``vllm bench serve``); its output length is the usage the
 server reports. TTFT = first token - send; TPOT = (e2e - TTFT) / (output tokens - 1); ITL = the
-gaps between token chunks; e2e = last byte - send.
+gaps between token chunks; e2e = last byte - send. :func:`steady_decode_rate` is the decode rate of
+requests sent together and :func:`window_diagnostics` says what its window looked like (why a run was
+slow); :class:`ClientCpu` samples this process's CPU clocks while :func:`run_load` runs, for it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,35 @@ class RequestRecord:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
+@dataclass
+class ClientCpu:
+    """The load client's CPU clocks, sampled by a task of :func:`run_load`'s event loop every
+    ``interval_s`` (and once at its start and end): (``time.perf_counter``, ``time.process_time``
+    of this whole process, ``time.thread_time`` of the thread running the event loop). A sampler,
+    not a sample per chunk: reading the two CPU clocks costs about a microsecond, which at every
+    chunk of 64 streams would itself be a load on the client it measures."""
+
+    interval_s: float = 0.005
+    samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def sample(self) -> None:
+        self.samples.append((time.perf_counter(), time.process_time(), time.thread_time()))
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval_s)
+
+    def seconds(self, lo: float, hi: float) -> tuple[float, float] | None:
+        """(process, event-loop thread) CPU seconds between ``perf_counter`` times ``lo`` and ``hi``,
+        interpolated linearly between samples; None if the samples do not cover ``[lo, hi]``."""
+        if len(self.samples) < 2 or self.samples[0][0] > lo or self.samples[-1][0] < hi:
+            return None
+        t, proc, thread = (np.array(c) for c in zip(*self.samples))
+        return (float(np.interp(hi, t, proc) - np.interp(lo, t, proc)),
+                float(np.interp(hi, t, thread) - np.interp(lo, t, thread)))
+
+
 def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """``n`` prompts of ``length`` random token ids (ids below 10 left out: specials in small vocabularies)."""
     rng = random.Random(seed)
@@ -99,10 +130,12 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: di
 
 
 async def run_load(base: str, model: str, prompts: list[list[int]], output_len: int, rate: float, seed: int,
-                   headers: dict | None = None, timeout_s: float = 3600.0) -> tuple[list[RequestRecord], float]:
+                   headers: dict | None = None, timeout_s: float = 3600.0,
+                   cpu: ClientCpu | None = None) -> tuple[list[RequestRecord], float]:
     """Send every prompt (Poisson arrivals at ``rate`` per second; ``inf``: all at once) and wait for all.
 
     Returns the records, in send order, and the wall time from the first send to the last answer.
+    With ``cpu``, its sampler runs alongside from before the first send to after the last answer.
     """
     rng = random.Random(seed)
     url = f"{base}/v1/completions"
@@ -110,6 +143,10 @@ async def run_load(base: str, model: str, prompts: list[list[int]], output_len: 
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
+        sampler = None
+        if cpu is not None:
+            cpu.sample()
+            sampler = asyncio.create_task(cpu.run())
         start = time.perf_counter()
         for ids in prompts:
             body = {"model": model, "prompt": ids, "max_tokens": output_len, "stream": True, "temperature": 0,
@@ -119,7 +156,11 @@ async def run_load(base: str, model: str, prompts: list[list[int]], output_len: 
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         records = await asyncio.gather(*tasks)
-    return list(records), time.perf_counter() - start
+        duration = time.perf_counter() - start
+        if sampler is not None:
+            sampler.cancel()
+            cpu.sample()
+    return list(records), duration
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -151,19 +192,64 @@ def summarize(records: list[RequestRecord], duration: float, slo_ttft_ms: float 
     return out
 
 
+def _window(records: list[RequestRecord]) -> tuple[list[RequestRecord], float, float, bool] | None:
+    """(the requests counted, lo, hi, fallback) of :func:`steady_decode_rate`'s window."""
+    ok = [r for r in records if r.ok and len(r.token_times) > 1]
+    if not ok:
+        return None
+    lo, hi = max(r.token_times[0] for r in ok), min(r.token_times[-1] for r in ok)
+    if hi > lo:
+        return ok, lo, hi, False
+    lo, hi = min(r.token_times[0] for r in ok), max(r.token_times[-1] for r in ok)
+    return (ok, lo, hi, True) if hi > lo else None
+
+
+def _window_tokens(r: RequestRecord, lo: float, hi: float) -> int:
+    return sum(n for t, n in zip(r.token_times, r.chunk_tokens()) if lo < t <= hi)
+
+
 def steady_decode_rate(records: list[RequestRecord]) -> float | None:
     """Decode tokens/s of requests sent together, while every one of them is decoding: the tokens
     received from the last first token to the first last token, over that window's length (the
     whole span of each request's tokens if that window is empty). Counting tokens over a window,
     not gaps between them, stays right when the server sends several tokens in one write or
     (stream batching) in one chunk: a chunk counts the tokens its running usage says it carries."""
-    ok = [r for r in records if r.ok and len(r.token_times) > 1]
-    if not ok:
+    window = _window(records)
+    if window is None:
         return None
-    lo, hi = max(r.token_times[0] for r in ok), min(r.token_times[-1] for r in ok)
-    if hi <= lo:
-        lo, hi = min(r.token_times[0] for r in ok), max(r.token_times[-1] for r in ok)
-        if hi <= lo:
-            return None
-    tokens = sum(n for r in ok for t, n in zip(r.token_times, r.chunk_tokens()) if lo < t <= hi)
-    return tokens / (hi - lo)
+    ok, lo, hi, _ = window
+    return sum(_window_tokens(r, lo, hi) for r in ok) / (hi - lo)
+
+
+def window_diagnostics(records: list[RequestRecord], cpu: ClientCpu | None = None) -> dict | None:
+    """What :func:`steady_decode_rate`'s window looked like, to tell why a run was slow (None where
+    it has no window). Keys:
+
+    - ``window_s``: the window's length (last first token to first last token); ``fallback``: True
+      where that was empty and the whole span of every request's tokens was used instead.
+    - ``first_token_spread_ms``: the last first token minus the first first token. A wide spread
+      (prefill of the batch staggered) shortens the window for the same tokens per request.
+    - ``requests``: requests counted (answered, two token chunks or more); ``requests_in_window``:
+      those with a chunk counted inside the window; ``tokens_in_window``: the tokens counted.
+    - ``max_chunk_gap_ms``: the longest stretch inside the window in which no token chunk of any
+      stream arrived (the window's ends are chunk arrivals): a stall of the whole pipeline.
+    - ``client_cpu_share`` / ``client_loop_cpu_share``: CPU seconds of this process (which runs the
+      load client) / of the thread running its event loop over the window, over the window's
+      length (None without ``cpu``, or if its samples do not cover the window). The loop's share
+      near 1.0 means the client saturates a core and the rate is the client's, not the server's.
+    """
+    window = _window(records)
+    if window is None:
+        return None
+    ok, lo, hi, fallback = window
+    span = hi - lo
+    firsts = [r.token_times[0] for r in ok]
+    counted = [_window_tokens(r, lo, hi) for r in ok]
+    arrivals = sorted(t for r in ok for t in r.token_times if lo <= t <= hi)
+    used = cpu.seconds(lo, hi) if cpu is not None else None
+    return {"window_s": span, "fallback": fallback, "first_token_spread_ms": (max(firsts) - min(firsts)) * 1e3,
+            "requests": len(ok), "requests_in_window": sum(n > 0 for n in counted),
+            "tokens_in_window": sum(counted),
+            "max_chunk_gap_ms": max(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3,
+            "client_cpu_share": used[0] / span if used else None,
+            "client_loop_cpu_share": used[1] / span if used else None}
