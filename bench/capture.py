@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--preset", default="tinyllama-1.1b")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--only", help="comma-separated configurations backend:ceiling:warm_up (e.g. "
+                    "none:none:-,full:8192:pool); default: all")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
@@ -120,6 +122,8 @@ def main() -> None:
     runs = [("none", "none", "-")] + [(b, chunk, "pool") for b in ("breakable", "full", "tc_piecewise")] + \
         [(b, chunk, "outside") for b in ("breakable", "full")] + \
         [("breakable", str(args.chunk * f // 4), "pool") for f in (1, 2)]
+    if args.only:
+        runs = [tuple(c.split(":")) for c in args.only.split(",")]
     rows = []
     for backend, ceiling, warm_up in runs:
         res = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--chunk", chunk,

@@ -200,6 +200,36 @@ def test_decode_cuda_graph_replays_after_replanning(flashinfer):
 
 
 @pytest.mark.gpu
+def test_every_wrapper_shares_one_int_workspace_and_replays_its_own_plan(flashinfer):
+    """Eager and per-shape graph wrappers, prefill and decode, use the backend's one int workspace;
+    graphs of two decode shapes, each re-planned before its replay, still compute their own batch."""
+    cache = make_cache()
+    backend = FlashInferBackend(SHAPE, cache, 8, 256)
+    for is_prefill, rows, tokens in ((False, 4, None), (False, 8, None), (True, 2, 64), (True, 4, 128)):
+        backend.graph_wrapper(is_prefill, rows, tokens)
+    wrappers = [backend._eager_prefill, backend._eager_decode, *backend._graph_wrappers.values()]
+    assert {w._int_workspace_buffer.data_ptr() for w in wrappers} == {backend.int_workspace.data_ptr()}
+    graphs = {}
+    for rows in (4, 8):
+        q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
+        backend.plan(decode_batch(Pages(rows), [3, 9][: rows // 4], rows))
+        graphs[rows] = (q, k, v, *capture(backend, q, k, v))
+    for seed, rows, seq_lens in ((21, 8, [5, 700, 33, 64, 80]), (22, 4, [600, 2, 16]), (23, 8, [1, 2])):
+        pages = Pages(seed)
+        batch = AttentionBatch.decode(seq_lens, [pages.table(n) for n in seq_lens])
+        q, k, v, graph, out = graphs[rows]
+        backend.plan(batch, rows)
+        for dst, src in zip((q, k, v), qkv(rows, seed), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        padded = AttentionBatch.decode(seq_lens + [1] * (rows - len(seq_lens)),
+                                       batch.page_tables.tolist() + [[DUMMY]] * (rows - len(seq_lens)))
+        torch.testing.assert_close(out[: len(seq_lens)].float(),
+                                   reference(cache.layer(LAYER), padded, q)[: len(seq_lens)], **TOL)
+
+
+@pytest.mark.gpu
 def test_fast_decode_plan_makes_flashinfers_own_plan(flashinfer):
     """``fast_decode_plan`` re-plans a captured decode shape through flashinfer's scheduler alone:
     the plan is the one flashinfer's ``plan`` makes (same plan info) and the replay's output equals

@@ -35,9 +35,13 @@ copied; none of that changes between steps of one shape. The call's arguments ar
 ``BatchDecodeWithPagedKVCacheWrapper.plan`` of flashinfer 0.7.2 passes for tensor-core (fa2)
 decode; a wrapper that is not that case keeps the ordinary plan.
 
-Each flashinfer wrapper owns an 8 MiB device int workspace and an 8 MiB pinned twin; the float
-workspace is shared by all of them (kernels are stream-ordered, so split-KV scratch never
-overlaps). ``plan`` and ``run``/replay must be issued on the same CUDA stream.
+Workspaces: every wrapper of a backend, eager and per captured shape, shares one float workspace
+and one 8 MiB device int workspace (flashinfer's default size; each wrapper keeps its own pinned
+twin). The int workspace holds the work split ``plan`` uploads and ``run`` reads; sharing it is
+the invariant the metadata regions above already rest on: the backend has one active plan, so a
+``run`` or replay always reads the plan written last, for its own wrapper, and kernels are
+stream-ordered. A wrapper of its own per captured shape held 8 MiB outside the graph pool per
+shape (40 prefill shapes: 320 MiB). ``plan`` and ``run``/replay must be issued on the same stream.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from worker.attention.base import (
 )
 from worker.kv_cache import PagedKVCache
 
+INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own default for a wrapper's int workspace
 INSTALL_HINT = "flashinfer is not installed; install graphfleet[gpu] or set attention.backend=torch"
 
 
@@ -178,6 +183,7 @@ class FlashInferBackend(AttentionBackend):
         self._append_batch = torch.zeros(toks, dtype=torch.int32, device=dev)
 
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self._staged = torch.cuda.Event()
         self._eager_prefill = self._new_wrapper(True, None)
         self._eager_decode = self._new_wrapper(False, None)
@@ -196,13 +202,18 @@ class FlashInferBackend(AttentionBackend):
                 qo_indptr_buf=self.qo_indptr[: rows + 1], paged_kv_indptr_buf=self.paged_kv_indptr[: rows + 1],
                 paged_kv_indices_buf=self.paged_kv_indices,
                 paged_kv_last_page_len_buf=self.paged_kv_last_page_len[:rows])
-            return fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, backend="fa2",
-                                                          **bufs)
-        bufs = {} if not graph else dict(
-            paged_kv_indptr_buffer=self.paged_kv_indptr[: rows + 1], paged_kv_indices_buffer=self.paged_kv_indices,
-            paged_kv_last_page_len_buffer=self.paged_kv_last_page_len[:rows])
-        return fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, backend="fa2",
-                                                     use_tensor_cores=self.decode_use_tensor_cores, **bufs)
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph,
+                                                             backend="fa2", **bufs)
+        else:
+            bufs = {} if not graph else dict(
+                paged_kv_indptr_buffer=self.paged_kv_indptr[: rows + 1], paged_kv_indices_buffer=self.paged_kv_indices,
+                paged_kv_last_page_len_buffer=self.paged_kv_last_page_len[:rows])
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, backend="fa2",
+                                                            use_tensor_cores=self.decode_use_tensor_cores, **bufs)
+        # The shared int workspace (module docstring); the wrapper's own 8 MiB goes back to the
+        # allocator's cache, where the next wrapper's constructor finds it.
+        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        return wrapper
 
     @staticmethod
     def _key(is_prefill: bool, num_rows: int, num_tokens: int) -> tuple[bool, int, int]:
