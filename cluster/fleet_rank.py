@@ -24,6 +24,7 @@ from cluster.engine_host import EngineHost
 from cluster.kv_transport import resolve_shards
 from cluster.rank_actor import RankActor
 from cluster.report_link import LinkAddress, ReportServer
+from worker.gc_heap import freeze_startup_heap
 
 #: How long a call for a staged copy waits for the rank's loop to have made it.
 STAGED_WAIT_S = 60.0
@@ -61,6 +62,7 @@ class FleetRankActor(RankActor):
                                       resolve_shards, self._import_local)
         self.reports = ReportServer(ray.util.get_node_ip_address(), host.take_report, lambda: host.stopping)
         self.reports.start()
+        freeze_startup_heap(f"group leader {self.info.name}")
         return self.reports.address
 
     @ray.method(concurrency_group="loop")

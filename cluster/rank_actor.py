@@ -81,6 +81,7 @@ class RankActor:
                             collectives_at_tp1)
         labels = {"group": self.info.group_id, "rank": str(self.info.rank), "role": self.info.role}
         self.worker = Worker(self.config, tp, metric_labels=labels)
+        _frozen_gauge(self.worker.registry, labels)
         return self.worker.available_pages()
 
     def max_model_len(self, num_pages: int) -> int:
@@ -90,9 +91,12 @@ class RankActor:
         self.worker.allocate(num_pages, max_model_len)
 
     def capture(self) -> None:
+        from worker.gc_heap import freeze_startup_heap
+
         self.worker.capture()
         if self.info.rank == 0:
             self.executor = LeaderExecutor(self.worker, self.channel)
+        freeze_startup_heap(f"rank {self.info.name}")  # this process serves one generation
 
     def arch(self):
         return self.worker.arch
@@ -153,3 +157,14 @@ class RankActor:
             self.worker.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _frozen_gauge(registry, labels: dict[str, str]) -> None:
+    """``graphfleet_gc_frozen_objects`` of this rank's process (worker.gc_heap)."""
+    from prometheus_client import Gauge
+
+    from worker.gc_heap import frozen_objects
+
+    Gauge("graphfleet_gc_frozen_objects", "Objects the process froze for the garbage collector after "
+          "its start (full collections skip them)", list(labels), registry=registry,
+          ).labels(**labels).set_function(frozen_objects)

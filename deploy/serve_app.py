@@ -78,13 +78,16 @@ class StartingFleet:
 
     def _start(self, config, fleet_options: dict, tokenizer) -> None:
         from fleet.fleet import Fleet
+        from worker.gc_heap import freeze_startup_heap
 
         def on_state(group_id: str, state, waiting) -> None:
             self._phases[group_id] = (state.value, waiting)
 
         try:
-            self._fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, cancel=self._cancel,
-                                      **fleet_options)
+            fleet = Fleet.start(config, on_group_state=on_state, tokenizer=tokenizer, cancel=self._cancel,
+                                **fleet_options)
+            freeze_startup_heap("serve replica")  # the replica lives as long as its fleet; before it is ready
+            self._fleet = fleet
         except Exception as e:  # noqa: BLE001 (reported by health(); Serve then restarts the replica)
             if self._cancel.is_set():
                 log.info("fleet start cancelled: %s", e)

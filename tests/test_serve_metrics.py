@@ -127,6 +127,15 @@ def test_metrics_count_the_requests_sent(server, client):
         assert GROUPS[labels["group"]] == labels["role"] and labels["model_name"] == "tiny"
 
 
+def test_the_replica_and_every_rank_froze_their_startup_heap(server):
+    """The replica (once its fleet is up) and each group's rank (once it captured) froze what their
+    start left alive (worker.gc_heap), so full collections no longer scan it."""
+    samples = scrape(server)["graphfleet_gc_frozen_objects"]
+    by_process = {labels.get("process") or labels["group"]: value for labels, value in samples}
+    assert set(by_process) == {"replica", *GROUPS}
+    assert all(value > 10_000 for value in by_process.values()), by_process
+
+
 def test_gil_switch_interval_is_set_in_the_replica(server):
     assert total(scrape(server), "graphfleet_gil_switch_interval_seconds") == pytest.approx(0.002)
 
