@@ -72,6 +72,7 @@ class RankActor:
         """Load this rank's weight shard; returns the KV pages this rank could hold."""
         import torch.distributed as dist
 
+        from worker.gc_heap import watch_gc
         from worker.model.parallel import TensorParallel
         from worker.worker import Worker
 
@@ -81,7 +82,7 @@ class RankActor:
                             collectives_at_tp1)
         labels = {"group": self.info.group_id, "rank": str(self.info.rank), "role": self.info.role}
         self.worker = Worker(self.config, tp, metric_labels=labels)
-        _frozen_gauge(self.worker.registry, labels)
+        watch_gc(self.worker.registry, labels)
         return self.worker.available_pages()
 
     def max_model_len(self, num_pages: int) -> int:
@@ -158,13 +159,3 @@ class RankActor:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def _frozen_gauge(registry, labels: dict[str, str]) -> None:
-    """``graphfleet_gc_frozen_objects`` of this rank's process (worker.gc_heap)."""
-    from prometheus_client import Gauge
-
-    from worker.gc_heap import frozen_objects
-
-    Gauge("graphfleet_gc_frozen_objects", "Objects the process froze for the garbage collector after "
-          "its start (full collections skip them)", list(labels), registry=registry,
-          ).labels(**labels).set_function(frozen_objects)

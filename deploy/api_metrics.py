@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from worker.gc_heap import frozen_objects
+from worker.gc_heap import watch_gc
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -37,7 +37,8 @@ class ApiMetrics:
     ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``,
     ``num_requests_running`` / ``num_requests_waiting``, ``kv_cache_usage_ratio{group,role}`` and
     ``graphfleet_api_rejected{reason}``, ``graphfleet_gil_switch_interval_seconds`` and
-    ``graphfleet_gc_frozen_objects{process="replica"}`` (worker.gc_heap)."""
+    ``graphfleet_gc_frozen_objects`` / ``graphfleet_gc_pause_seconds`` with ``process="replica"``
+    (worker.gc_heap.watch_gc: build it once per process)."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = reg = CollectorRegistry()
@@ -74,9 +75,7 @@ class ApiMetrics:
         self.gil_switch = Gauge("graphfleet_gil_switch_interval_seconds", "The serving process's "
                                 "sys.getswitchinterval() (serve.gil_switch_interval_ms)", registry=reg)
         self.gil_switch.set_function(sys.getswitchinterval)
-        Gauge("graphfleet_gc_frozen_objects", "Objects the process froze for the garbage collector after "
-              "its start (full collections skip them)", ["process"], registry=reg,
-              ).labels(process="replica").set_function(frozen_objects)
+        watch_gc(reg, {"process": "replica"})
         self.stream_interval = Gauge("graphfleet_stream_batching_interval_seconds", "How long a streamed "
                                      "choice's tokens wait to go out together now (it follows the open "
                                      "streams: serve.stream_chunks_per_s)", registry=reg)

@@ -46,9 +46,10 @@ class _Merged:
 def merge_expositions(registry, texts: Iterable[bytes | str]) -> bytes:
     """``registry``'s metrics and those of every Prometheus ``texts``, one ``# HELP``/``# TYPE`` per family."""
     merged = _Merged()
-    for family in registry.collect():
-        merged.add(family)
-    for text in texts:
+    # The registry goes through the parser too: parsed, a histogram's ``_created`` series is a
+    # family of its own, as in the ranks' texts; collected directly it sits inside the histogram,
+    # and a family both ways would be declared twice.
+    for text in (generate_latest(registry), *texts):
         for family in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
             merged.add(family)
     return generate_latest(merged)

@@ -6,8 +6,9 @@ import gc
 import weakref
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from worker.gc_heap import freeze_startup_heap, frozen_objects
+from worker.gc_heap import freeze_startup_heap, frozen_objects, watch_gc
 
 
 class _Node:
@@ -32,3 +33,22 @@ def test_garbage_is_collected_before_the_heap_is_frozen(unfreeze_after):
     assert frozen == gc.get_freeze_count() == frozen_objects() > 0
     assert not any(o is alive for o in gc.get_objects())  # frozen: no generation tracks it now
     assert freeze_startup_heap("test again") >= frozen
+
+
+def test_watch_gc_times_each_collection_by_generation():
+    registry = CollectorRegistry()
+    hooks = list(gc.callbacks)
+    watch_gc(registry, {"process": "test"})
+    try:
+        gc.collect(2)
+        gc.collect(0)
+    finally:
+        gc.callbacks[:] = hooks
+
+    def count(generation: str) -> float:
+        return registry.get_sample_value("graphfleet_gc_pause_seconds_count",
+                                         {"process": "test", "generation": generation})
+
+    assert count("2") >= 1 and count("0") >= 1
+    assert registry.get_sample_value("graphfleet_gc_pause_seconds_sum", {"process": "test", "generation": "2"}) > 0
+    assert registry.get_sample_value("graphfleet_gc_frozen_objects", {"process": "test"}) == gc.get_freeze_count()

@@ -134,6 +134,8 @@ def test_the_replica_and_every_rank_froze_their_startup_heap(server):
     by_process = {labels.get("process") or labels["group"]: value for labels, value in samples}
     assert set(by_process) == {"replica", *GROUPS}
     assert all(value > 10_000 for value in by_process.values()), by_process
+    pauses = scrape(server)["graphfleet_gc_pause_seconds_count"]  # every process times its collections
+    assert {labels.get("process") or labels["group"] for labels, _ in pauses} == {"replica", *GROUPS}
 
 
 def test_gil_switch_interval_is_set_in_the_replica(server):

@@ -3,8 +3,8 @@
 A full (generation 2) collection scans every object the collector tracks. A process that has
 built an Engine for tiny-llama tracks about 230,000 of them (torch, Ray, pydantic, the model,
 the runners), and a full collection there took 115-127 ms on the 2-core CPU machine. Serving
-makes enough long-lived objects for such collections to recur, each a stall of the thread that
-triggers it: a group's engine loop between two steps, or the replica's event loop. ``gc.freeze``
+may trigger such collections, each a stall of the thread that triggers it: a group's engine loop
+between two steps, or the replica's event loop (:func:`watch_gc` measures them). ``gc.freeze``
 moves everything alive into a permanent generation that collections skip (a full collection
 then took 0.01 ms). vLLM does the same in its engine and API server after warm-up
 (``freeze_gc_heap``).
@@ -42,3 +42,29 @@ def freeze_startup_heap(context: str) -> int:
 def frozen_objects() -> float:
     """Objects this process has frozen (a gauge's value)."""
     return float(gc.get_freeze_count())
+
+
+def watch_gc(registry, labels: dict[str, str]) -> None:
+    """Register ``graphfleet_gc_frozen_objects`` and ``graphfleet_gc_pause_seconds{generation}``
+    (every collection this process runs, timed by a ``gc.callbacks`` hook) in ``registry``, with
+    constant ``labels``. Once per long-lived process: each call adds a hook for good."""
+    from prometheus_client import Gauge, Histogram
+
+    names = list(labels)
+    Gauge("graphfleet_gc_frozen_objects", "Objects the process froze for the garbage collector after its "
+          "start (full collections skip them)", names, registry=registry,
+          ).labels(**labels).set_function(frozen_objects)
+    pauses = Histogram("graphfleet_gc_pause_seconds", "Garbage collections of the process by generation "
+                       "(2 = full), each a stall of the thread that triggered it", [*names, "generation"],
+                       buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+                       registry=registry)
+    by_generation = [pauses.labels(**labels, generation=str(g)) for g in range(3)]
+    started = [0.0]
+
+    def hook(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            by_generation[info["generation"]].observe(time.perf_counter() - started[0])
+
+    gc.callbacks.append(hook)
