@@ -132,6 +132,18 @@ def phase_means_ms(after: dict[str, tuple[float, float]], before: dict[str, tupl
     return out
 
 
+def gc_pause_totals(text: str) -> dict[str, float]:
+    """Garbage collections in a ``/metrics`` text (``graphfleet_gc_pause_seconds``, every process
+    summed): ``gen<g>_count`` and ``gen<g>_s`` per generation (2 = full collections)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("graphfleet_gc_pause_seconds_count", "graphfleet_gc_pause_seconds_sum"):
+                key = f"gen{s.labels['generation']}_{'count' if s.name.endswith('_count') else 's'}"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
@@ -321,13 +333,18 @@ def main(argv: list[str] | None = None) -> None:
     for i, rate in enumerate(rates):
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed + 100 + i)
         before, phases_before = decode_passes(base), phase_sums(base)
+        gc_before = gc_pause_totals(_get(f"{base}/metrics")[1])
         records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, rate, args.seed + i,
                                                  headers))
         after, phases = decode_passes(base), phase_means_ms(phase_sums(base), phases_before)
+        gc_during = _delta(gc_pause_totals(_get(f"{base}/metrics")[1]), gc_before)
         modes, reasons = _delta(after[0], before[0]), _delta(after[1], before[1])
         rows.append({"rate": rate, **summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms),
                      "decode_graph_hit_ratio": hit_ratio(modes), "decode_passes": modes,
-                     "decode_fallbacks": reasons, **phases})
+                     "decode_fallbacks": reasons, **phases,
+                     "gc_full_collections": gc_during.get("gen2_count", 0.0),
+                     "gc_full_ms": 1e3 * gc_during.get("gen2_s", 0.0),
+                     "gc_all_ms": 1e3 * sum(v for k, v in gc_during.items() if k.endswith("_s"))})
     if compare is not None:
         max_len, source = model_max_len(card, path)
         tokens = capped_compare_tokens(args.compare_tokens, args.input_len, max_len)
@@ -349,6 +366,9 @@ def main(argv: list[str] | None = None) -> None:
                  "e2e_p50_ms", "e2e_p99_ms", "decode_graph_hit_ratio"])
     print("TTFT by phase (means, ms; from /metrics): preprocess + queue + prefill + overhead = ttft")
     print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows], ["rate", *(f"{k}_mean_ms" for k in TTFT_PHASES)])
+    print("Garbage collection in the replica and the ranks during each rate (graphfleet_gc_pause_seconds)")
+    print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows], ["rate", "gc_full_collections", "gc_full_ms",
+                                                                     "gc_all_ms"])
     if compare is not None:
         print(f"--compare, Serve side: {compare['repeats']} runs of {compare['batch']} requests x "
               f"{compare['tokens']} tokens (window_s, first token spread, chunk gap: see bench/README.md)")

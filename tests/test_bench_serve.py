@@ -13,7 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.serve import aggregate_compare, capped_compare_tokens, model_max_len, parse_args, wait_healthy
+from bench.serve import (
+    aggregate_compare,
+    capped_compare_tokens,
+    gc_pause_totals,
+    model_max_len,
+    parse_args,
+    wait_healthy,
+)
 from bench.serve_load import ClientCpu, RequestRecord, run_load, steady_decode_rate, window_diagnostics
 
 
@@ -209,3 +216,21 @@ def test_run_load_samples_the_clients_cpu_over_the_whole_load():
     d = window_diagnostics(records, cpu)
     assert d["requests_in_window"] == 3 and d["window_s"] > 0
     assert 0.0 <= d["client_loop_cpu_share"] <= d["client_cpu_share"] + 1e-6
+
+
+def test_gc_pause_totals_sum_every_process_by_generation():
+    text = """# HELP graphfleet_gc_pause_seconds Garbage collections
+# TYPE graphfleet_gc_pause_seconds histogram
+graphfleet_gc_pause_seconds_bucket{generation="2",process="replica",le="+Inf"} 2.0
+graphfleet_gc_pause_seconds_count{generation="2",process="replica"} 2.0
+graphfleet_gc_pause_seconds_sum{generation="2",process="replica"} 0.25
+graphfleet_gc_pause_seconds_bucket{generation="2",group="d0",rank="0",role="decode",le="+Inf"} 1.0
+graphfleet_gc_pause_seconds_count{generation="2",group="d0",rank="0",role="decode"} 1.0
+graphfleet_gc_pause_seconds_sum{generation="2",group="d0",rank="0",role="decode"} 0.05
+graphfleet_gc_pause_seconds_count{generation="0",process="replica"} 40.0
+graphfleet_gc_pause_seconds_sum{generation="0",process="replica"} 0.004
+"""
+    totals = gc_pause_totals(text)
+    assert totals["gen2_count"] == 3 and totals["gen2_s"] == pytest.approx(0.30)
+    assert totals["gen0_count"] == 40 and totals["gen0_s"] == pytest.approx(0.004)
+    assert gc_pause_totals("") == {}
