@@ -8,7 +8,8 @@ second), and from ``/metrics`` before and after each rate the decode graph hit r
 decode passes (``decode_cuda_graph`` + ``decode_breakable``) over all decode passes of every rank,
 and the TTFT's mean by phase: preprocessing, the engine's queue, its prefill, and the rest (the
 fleet, the hops between processes, delivery).
-``--compare`` also times the in-process engine's decode step at ``--compare-batch`` requests and
+``--compare`` also times the in-process engine's decode step at ``--compare-batch`` requests (at the
+Serve side's mean context, ``--input-len`` + its tokens / 2) and
 the same batch through Serve (steady-state decode tokens/s of both, and their ratio). The Serve
 side runs ``--compare-repeats`` times, fresh prompts each, and reports the median (min, max) with
 each run's window diagnostics (:func:`bench.serve_load.window_diagnostics`).
@@ -319,7 +320,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:  # before the fleet takes the GPU
         if path is None:
             path = ensure_checkpoint(args.preset, Path(args.checkpoints))
-        compare = in_process_decode(path, overrides, args.compare_batch, args.input_len, repeats=20)
+        # At the Serve side's mean context: its requests decode from input_len to input_len + tokens.
+        planned = capped_compare_tokens(args.compare_tokens, args.input_len, model_max_len({}, path)[0])
+        context = args.input_len + planned // 2
+        compare = {**in_process_decode(path, overrides, args.compare_batch, context, repeats=20),
+                   "in_process_context": context}
     base = args.url.rstrip("/") if args.url else start_app(path, overrides, args.preset,
                                                            direct_ingress=args.direct_ingress)
     health = wait_healthy(base, args.start_timeout_s)
@@ -373,9 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--compare, Serve side: {compare['repeats']} runs of {compare['batch']} requests x "
               f"{compare['tokens']} tokens (window_s, first token spread, chunk gap: see bench/README.md)")
         print_table(compare["runs"], COMPARE_RUN_COLUMNS)
-        print_table([compare], ["batch", "context", "tokens_per_s", "serve_tokens_per_s", "serve_tokens_per_s_min",
-                                "serve_tokens_per_s_max", "serve_over_in_process", "serve_over_in_process_min",
-                                "serve_over_in_process_max"])
+        print_table([compare], ["batch", "context", "in_process_context", "tokens_per_s", "serve_tokens_per_s",
+                                "serve_tokens_per_s_min", "serve_tokens_per_s_max", "serve_over_in_process",
+                                "serve_over_in_process_min", "serve_over_in_process_max"])
     name = "serve-quick" if args.quick else f"serve-{args.mode}" + ("-direct" if args.direct_ingress else "")
     out = write_results(name, {"env": environment(), "args": vars(args), "url": args.url, "overrides": overrides,
                                "fleet": health, "rows": rows, "compare": compare})
