@@ -183,3 +183,36 @@ def test_pool_answers_and_a_killed_worker_costs_only_its_request(checkpoint_dir,
         asyncio.run(scenario())
     finally:
         pool.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_bodies_sent_together_share_worker_calls_and_keep_their_own_answers(checkpoint_dir, llama):
+    """64 bodies at once through two workers: each gets its own answer (a bad body its own 400, the
+    others their prompts, in their order), and they travel in fewer calls than bodies."""
+    import asyncio
+
+    pool = Preprocessor(str(checkpoint_dir("tiny-llama")), workers=2)
+    calls = []
+    submit = pool._pool.submit
+
+    def counting_submit(fn, *args):
+        calls.append(len(args[0]) if fn.__name__ == "_prepare_batch_in_worker" else 1)
+        return submit(fn, *args)
+
+    pool._pool.submit = counting_submit
+    try:
+        async def scenario():
+            texts = [f"w{i} x y" for i in range(64)]
+            bodies = [_body(prompt=t, n=99) if i % 16 == 5 else _body(prompt=t) for i, t in enumerate(texts)]
+            answers = await asyncio.gather(*(pool.prepare("completions", b, LIMITS) for b in bodies),
+                                           return_exceptions=True)
+            for i, (text, answer) in enumerate(zip(texts, answers, strict=True)):
+                if i % 16 == 5:
+                    assert isinstance(answer, ApiError) and answer.status == 400 and answer.param == "n", answer
+                else:
+                    assert answer.prompts == [llama.encode(text)], i
+
+        asyncio.run(scenario())
+    finally:
+        pool.shutdown()
+    assert sum(calls) == 64 and len(calls) < 64 and max(calls) <= 16, calls
