@@ -403,8 +403,17 @@ class Preprocessor:
             if not batch:
                 continue
             pool = self._pool
+            try:
+                submitted = pool.submit(_prepare_batch_in_worker, [item[:3] for item in batch])
+            except BrokenProcessPool:  # a worker died since the last call: this batch is not lost
+                self._replace(pool)
+                self._waiting.extendleft(reversed(batch))
+                continue
+            except RuntimeError:  # the pool was shut down
+                _settle(batch, [ApiError(503, "the server is shutting down", "unavailable") for _ in batch])
+                continue
             self._calls += 1
-            call = asyncio.wrap_future(pool.submit(_prepare_batch_in_worker, [item[:3] for item in batch]))
+            call = asyncio.wrap_future(submitted)
             call.add_done_callback(lambda done, batch=batch, pool=pool: self._answer(done, batch, pool))
 
     def _answer(self, call: asyncio.Future, batch: list, pool: ProcessPoolExecutor) -> None:
@@ -414,13 +423,13 @@ class Preprocessor:
         elif isinstance(call.exception(), BrokenProcessPool):
             self._replace(pool)
             results = [_died() for _ in batch]
-        elif call.exception() is not None:
-            results = [call.exception()] * len(batch)
+        elif call.exception() is not None:  # the call itself failed (its answers did not pickle, ...)
+            e = call.exception()
+            results = [ApiError(500, f"internal error preparing the request: {type(e).__name__}: {e}",
+                                "internal_error") for _ in batch]
         else:
             results = call.result()
-        for (_, _, _, answer), result in zip(batch, results, strict=True):
-            if not answer.done():
-                answer.set_result(result)
+        _settle(batch, results)
         self._dispatch()
 
     def _replace(self, pool: ProcessPoolExecutor) -> None:
@@ -431,6 +440,13 @@ class Preprocessor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(batch: list, results: list) -> None:
+    """Each waiting request of ``batch`` gets its result (one cancelled meanwhile gets none)."""
+    for (_, _, _, answer), result in zip(batch, results, strict=True):
+        if not answer.done():
+            answer.set_result(result)
 
 
 def _died() -> ApiError:

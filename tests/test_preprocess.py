@@ -216,3 +216,32 @@ def test_bodies_sent_together_share_worker_calls_and_keep_their_own_answers(chec
     finally:
         pool.shutdown()
     assert sum(calls) == 64 and len(calls) < 64 and max(calls) <= 16, calls
+
+
+@pytest.mark.timeout(120)
+def test_bodies_sent_after_the_workers_died_are_answered_by_a_new_pool(checkpoint_dir, llama):
+    """Workers killed while idle: the next bodies are neither lost nor hung (each answered, by the
+    new pool or with a 500 naming the death), and the bodies after them are served."""
+    import asyncio
+
+    pool = Preprocessor(str(checkpoint_dir("tiny-llama")), workers=2)
+    try:
+        async def scenario():
+            assert (await pool.prepare("completions", _body(prompt="a b"), LIMITS)).prompts == [llama.encode("a b")]
+            for worker in _pool_pids(os.getpid()):
+                os.kill(worker, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            answers = await asyncio.wait_for(asyncio.gather(
+                *(pool.prepare("completions", _body(prompt=f"x{i}"), LIMITS) for i in range(8)),
+                return_exceptions=True), timeout=60)
+            for i, answer in enumerate(answers):
+                if isinstance(answer, ApiError):
+                    assert answer.status == 500 and "died" in answer.message, answer
+                else:
+                    assert answer.prompts == [llama.encode(f"x{i}")]
+            again = await asyncio.wait_for(pool.prepare("completions", _body(prompt="a b"), LIMITS), timeout=60)
+            assert again.prompts == [llama.encode("a b")]
+
+        asyncio.run(scenario())
+    finally:
+        pool.shutdown()
