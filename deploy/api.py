@@ -26,7 +26,8 @@ from deploy import openai_protocol as p
 from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.metrics_merge import merge_expositions
-from deploy.preprocess import PreparedRequest, Preprocessor, from_validation, rejected
+from deploy.preprocess import PreparedRequest, from_validation, rejected
+from deploy.preprocess_pool import Preprocessor
 from deploy.stream_pacing import StreamPacer
 from deploy.streaming import (
     Job,

@@ -172,14 +172,14 @@ class OpenAIIngress:
     """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (``Fleet.start``'s
     keyword options). The fleet starts in the background: until it is up, ``/health`` and the API answer 503.
     The replica loads the checkpoint's tokenizer once (the fleet detokenizes with it); request bodies
-    are parsed, tokenized and admitted in its :class:`deploy.preprocess.Preprocessor`'s processes.
+    are parsed, tokenized and admitted in its :class:`deploy.preprocess_pool.Preprocessor`'s processes.
     Bind it with :func:`deployment_options` (as :func:`deployment` does) so Serve's shutdown budget follows
     ``serve.drain_timeout_s`` and its cap on requests at once ``serve.max_ongoing_requests``."""
 
     def __init__(self, config: dict, fleet_options: dict | None = None) -> None:
         from deploy.config import Config
         from deploy.drain import Admission
-        from deploy.preprocess import Preprocessor
+        from deploy.preprocess_pool import Preprocessor
         from worker.tokenizer import load_tokenizer
 
         self.config = Config.from_dict(config)

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from deploy.errors import ApiError
-from deploy.preprocess import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, Preprocessor, prepare
+from deploy.preprocess import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, prepare
+from deploy.preprocess_pool import Preprocessor
 from worker.admission import PromptLimits
 from worker.tokenizer import Tokenizer
 from worker.tokenizer_bounds import max_bytes_per_token

@@ -42,7 +42,7 @@ class ServeConfig(Section):
         (>= 1024; default 16 MiB).
     preprocess_workers: processes that turn request bodies into admitted prompts (parse the JSON, render
         the chat template, tokenize) so none of it holds the replica's GIL (1..64;
-        :class:`deploy.preprocess.Preprocessor`).
+        :class:`deploy.preprocess_pool.Preprocessor`).
     direct_ingress: ``graphfleet serve`` on a Ray it starts itself: the API replica serves HTTP on
         ``host:port`` itself (Ray Serve's direct ingress), so no request body and no streamed chunk
         crosses Serve's proxy, which moves to a free loopback port. On the 2-core CPU machine it
