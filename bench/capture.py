@@ -12,7 +12,14 @@
    (what a serving process keeps); ``pool``: the graph pool's share of that.
 3. Warm-ups inside the graph pool (``graphs.warm_up_in_pool``, the default) beside warm-ups
    outside it, for breakable and full at the chunk size.
-   Each configuration runs in a fresh process (peaks are per process).
+4. The serving process's view (``decode`` column): every server also decodes. ``eager``: after the
+   prefill, one eager decode step at the largest decode batch; ``graphs``: full decode graphs
+   (the default ladder up to ``--decode-batch``) captured after the prefill graphs into the same
+   process pool, as ``Worker.capture`` does, and one replayed decode step. Rows with decode are
+   compared with the no-prefill-graph row of the same decode mode (``vs_same_decode``).
+   Each configuration runs in a fresh process (peaks are per process). ``outside_GiB`` is what
+   stays held outside the graph pool; ``--explain`` adds the largest live allocations outside
+   the pool by the line that made them (CUDA memory history: slower).
 """
 
 from __future__ import annotations
@@ -32,17 +39,44 @@ from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 
 
-def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True) -> dict:
-    """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill."""
+def _site(frames: list[dict]) -> str:
+    """The first frame of an allocation that is ours (graphs/, worker/, bench/), else the first."""
+    for f in frames:
+        name = f.get("filename", "")
+        if any(f"/{d}/" in name for d in ("graphs", "worker", "bench")) and "site-packages" not in name:
+            return f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
+    return f"{frames[0].get('filename', '?').split('/')[-1]}:{frames[0].get('line')} {frames[0].get('name')}" \
+        if frames else "?"
+
+
+def outside_pool_sites(pool: tuple | None, top: int = 8) -> list[tuple[str, int]]:
+    """Live allocations outside ``pool`` (bytes), grouped by allocation site, largest first."""
+    sites: dict[str, int] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if pool is not None and tuple(seg.get("segment_pool_id", ())) == tuple(pool):
+            continue
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                key = _site(block.get("frames", []))
+                sites[key] = sites.get(key, 0) + block["size"]
+    return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+
+
+def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
+        decode: str = "-", decode_batch: int = 256, explain: bool = False) -> dict:
+    """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
+    with ``decode``, capture decode graphs and run one decode step at ``decode_batch``)."""
     from graphs.backends import create_backend
+    from graphs.buckets import default_decode_ladder
+    from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
     from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-    from graphs.process import pool_bytes
+    from graphs.process import graph_pool, pool_bytes
     from worker.attention.base import AttentionBatch
     from worker.attention.factory import create_attention_backend
     from worker.kv_cache import KVCacheShape, PagedKVCache
     from worker.model.kernels import select_kernels
     from worker.model.loader import load_model
-    from worker.model_steps import CompiledPrefillStep, ModelPrefillStep
+    from worker.model_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
 
     cuda = torch.device("cuda")
     model, arch = load_model(path, torch.bfloat16, cuda, kernels=select_kernels(cuda))
@@ -50,15 +84,19 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     shape = model.attention_shape
     cache = PagedKVCache(KVCacheShape(arch.num_layers, pages, 16, shape.num_kv_heads, arch.head_dim),
                          torch.bfloat16, cuda)
-    attention = create_attention_backend("flashinfer", shape, cache, max(1, chunk // 512), chunk, pages)
+    rows = max(1, chunk // 512, decode_batch if decode != "-" else 1)
+    attention = create_attention_backend("flashinfer", shape, cache, rows, chunk, pages)
+    pool = graph_pool(cuda)
     torch.cuda.synchronize()
+    if explain:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     base = torch.cuda.memory_reserved()
     build = compile_s = capture_s = None
-    runner = None
+    runner = decode_runner = None
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
             ModelPrefillStep(model, attention, breakable=backend == "breakable")
-        runner = PrefillGraphRunner(step, create_backend(backend, cuda, warm_up_in_pool=warm_up_in_pool),
+        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
                                     default_prefill_ladder(ceiling),
                                     max(1, chunk // 512), 2.0, None, torch.bfloat16)
         start = time.perf_counter()
@@ -69,6 +107,11 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             compile_s, capture_s = stats["compile_seconds"], stats["capture_seconds"]
         else:
             compile_s, capture_s = 0.0, build
+    if decode == "graphs":  # after the prefill graphs, into the same pool (Worker.capture's order)
+        decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
+                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
+                                          default_decode_ladder(decode_batch), True)
+        decode_runner.capture_all(progress=False)
     torch.cuda.reset_peak_memory_stats()
     from graphs.prefill import LivePrefillBatch
 
@@ -82,24 +125,40 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
         first += -(-n // 16)
     ids = torch.randint(10, arch.vocab_size, (chunk,), device="cuda")
     pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
-    live = LivePrefillBatch(ids, pos, AttentionBatch.prefill(lengths, lengths, tables), n_req)
+    last = torch.tensor(lengths, device="cuda").cumsum(0) - 1  # the rows a server samples
+    live = LivePrefillBatch(ids, pos, AttentionBatch.prefill(lengths, lengths, tables), n_req, last)
     choice = runner.decide(live) if runner is not None else None
     if choice is not None and choice.replays:
-        runner.execute(live, choice)
+        hidden = runner.execute(live, choice)
         mode = "graph"
     else:
         attention.plan(live.attention)
-        model(ids, pos, attention)
+        hidden = model(ids, pos, attention).index_select(0, last)
         mode = "eager"
+    model.compute_logits(hidden)  # the LM head runs eagerly on the sampled rows, as in ModelRunner
+    if decode != "-":  # one page a row, 16 tokens of context
+        d_ids = torch.randint(10, arch.vocab_size, (decode_batch,), device="cuda")
+        d_live = LiveDecodeBatch(d_ids, torch.full((decode_batch,), 15, device="cuda"),
+                                 AttentionBatch.decode([16] * decode_batch, [[1 + i] for i in range(decode_batch)]))
+        d_choice = decode_runner.decide(d_live) if decode_runner is not None else None
+        if d_choice is not None and d_choice.replays:
+            decode_runner.execute(d_live, d_choice)
+        else:
+            attention.plan(d_live.attention)
+            model.compute_logits(model(d_ids, d_live.positions, attention))
     torch.cuda.synchronize()
-    return {"backend": backend, "ceiling": ceiling, "mode": mode,
+    held = torch.cuda.memory_reserved() - base
+    in_pool = pool_bytes(pool)
+    sites = [{"site": k, "MiB": v / 2**20} for k, v in outside_pool_sites(pool)] if explain else None
+    return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode,
+            "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
+            "outside_bytes": held - in_pool, "outside_sites": sites,
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
             "shapes": len(runner.ladder) if runner else 0,
             "above_baseline_bytes": torch.cuda.max_memory_reserved() - base,
-            "held_bytes": torch.cuda.memory_reserved() - base,
-            "pool_bytes": pool_bytes(runner.backend.pool) if runner else 0}
+            "held_bytes": held, "pool_bytes": in_pool}
 
 
 def main() -> None:
@@ -109,44 +168,68 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--only", help="comma-separated configurations backend:ceiling:warm_up (e.g. "
                     "none:none:-,full:8192:pool); default: all")
+    ap.add_argument("--decode-batch", type=int, default=256, help="largest decode batch (decode rows)")
+    ap.add_argument("--no-decode", action="store_true", help="leave out the rows with decode")
+    ap.add_argument("--explain", action="store_true",
+                    help="record CUDA memory history: the largest live allocations outside the pool, by site")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     if args.one:
-        backend, ceiling, warm_up = args.one.split(":")
+        backend, ceiling, warm_up, decode = (args.one.split(":") + ["-"])[:4]
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
-                             warm_up == "pool")))
+                             warm_up == "pool", decode, args.decode_batch, args.explain)))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
-    runs = [("none", "none", "-")] + [(b, chunk, "pool") for b in ("breakable", "full", "tc_piecewise")] + \
-        [(b, chunk, "outside") for b in ("breakable", "full")] + \
-        [("breakable", str(args.chunk * f // 4), "pool") for f in (1, 2)]
+    runs = [("none", "none", "-", "-")] + [(b, chunk, "pool", "-") for b in ("breakable", "full", "tc_piecewise")] + \
+        [(b, chunk, "outside", "-") for b in ("breakable", "full")] + \
+        [("breakable", str(args.chunk * f // 4), "pool", "-") for f in (1, 2)]
+    if not args.no_decode:
+        runs += [("none", "none", "-", d) for d in ("eager", "graphs")] + \
+            [(b, chunk, "pool", "graphs") for b in ("breakable", "full")]
     if args.only:
-        runs = [tuple(c.split(":")) for c in args.only.split(",")]
+        runs = [tuple((c.split(":") + ["-"])[:4]) for c in args.only.split(",")]
     rows = []
-    for backend, ceiling, warm_up in runs:
-        res = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--chunk", chunk,
-                              "--checkpoints", args.checkpoints, "--one", f"{backend}:{ceiling}:{warm_up}"],
-                             capture_output=True, text=True, timeout=900, check=False)
+    for backend, ceiling, warm_up, decode in runs:
+        cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
+               args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
+               f"{backend}:{ceiling}:{warm_up}:{decode}"] + (["--explain"] if args.explain else [])
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
         rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling, "warm_up": warm_up,
-                                                           "error": res.stderr[-2000:]})
-    baseline = next((r.get("above_baseline_bytes") for r in rows if r.get("backend") == "none"), None)
+                                                           "decode": decode, "error": res.stderr[-2000:]})
+    def base_of(decode: str) -> int | None:
+        return next((r.get("above_baseline_bytes") for r in rows
+                     if r.get("backend") == "none" and r.get("decode") == decode), None)
+
+    baseline = base_of("-")
     for r in rows:
         if "error" in r:
-            print(f"{r['backend']}:{r['ceiling']}:{r['warm_up']} failed: {r['error']}")
+            print(f"{r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} failed: {r['error']}")
     for r in rows:
         if "above_baseline_bytes" in r:
             r["peak_GiB"] = r["above_baseline_bytes"] / 2**30
             r["held_GiB"] = r["held_bytes"] / 2**30
             r["pool_GiB"] = r["pool_bytes"] / 2**30
+            r["outside_GiB"] = r["outside_bytes"] / 2**30
             r["vs_no_graph"] = r["above_baseline_bytes"] / baseline if baseline else None
             r["held_vs_no_graph"] = r["held_bytes"] / baseline if baseline else None
+            same = base_of(r["decode"]) if r["decode"] != "-" else None
+            eager = base_of("eager") if r["decode"] != "-" else None
+            r["vs_same_decode"] = r["above_baseline_bytes"] / same if same else None
+            r["vs_all_eager"] = r["above_baseline_bytes"] / eager if eager else None
     print("peak and held: GiB the allocator reserves above the model (peak from before capture to after a "
-          f"chunk-size prefill; held after it); vs_no_graph over the eager peak ({(baseline or 0) / 2**30:.3f} GiB)")
-    print_table(rows, ["backend", "ceiling", "warm_up", "mode", "shapes", "failed", "build_s", "compile_s",
-                       "capture_s", "peak_GiB", "held_GiB", "pool_GiB", "vs_no_graph", "held_vs_no_graph"])
+          f"chunk-size prefill; held after it); vs_no_graph over the eager peak ({(baseline or 0) / 2**30:.3f} GiB); "
+          "vs_same_decode over the row without prefill graphs and the same decode; vs_all_eager over no graphs "
+          "at all with an eager decode step")
+    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "mode", "shapes", "failed", "build_s", "compile_s",
+                       "capture_s", "peak_GiB", "held_GiB", "pool_GiB", "outside_GiB", "vs_no_graph",
+                       "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
+    for r in rows:
+        for site in r.get("outside_sites") or []:
+            print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} outside the pool "
+                  f"{site['MiB']:8.1f} MiB  {site['site']}")
     print(f"wrote {write_results('capture', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 
 

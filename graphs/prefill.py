@@ -4,8 +4,10 @@ Each captured shape holds ``bucket`` tokens and ``slots`` request rows. A live p
 ``n`` tokens from ``r <= slots`` requests fills tokens ``[0, n)`` and rows ``[0, r)``; rows
 ``[r, slots)`` are rewritten on every replay as zero-length sentinels (sequence and query
 length 0, no pages, offsets parked after the real tokens) and tokens ``[n, bucket)`` are padding
-whose KV goes to the dummy page. The graph computes hidden states only; the LM head runs
-eagerly on the live rows that are sampled, so padded rows never reach logits or sampling.
+whose KV goes to the dummy page. The graph computes final hidden states and keeps only the rows
+the step samples (``LivePrefillBatch.rows``, at most one a request slot) in a ``(slots, hidden)``
+output; the LM head runs eagerly on them, so padded rows never reach logits or sampling, and no
+``(tokens, hidden)`` buffer outlives the graph's own activations.
 """
 
 from __future__ import annotations
@@ -58,29 +60,40 @@ class PrefillStep(Protocol):
 
 @dataclass
 class LivePrefillBatch:
-    """One prefill step: flat tokens of ``num_requests`` requests and their attention batch."""
+    """One prefill step: flat tokens of ``num_requests`` requests and their attention batch.
+
+    ``rows``: int64 indices (on the device) of the tokens whose final hidden states the step needs
+    (the last token of each request that samples); None: none (the step only writes KV).
+    """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: Any
     num_requests: int
+    rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.rows is None else self.rows.shape[0]
+
 
 @dataclass
 class PrefillBuffers:
-    """Static inputs and the one max-size hidden-state output of the prefill runner."""
+    """Static inputs and the one output of the prefill runner, shared by every shape."""
 
     tokens: StaticTokens  # (max_tokens,) ids and positions
-    hidden: torch.Tensor  # (max_tokens, hidden)
+    rows: torch.Tensor  # (slots,) int64 token indices to keep; unused entries 0
+    hidden: torch.Tensor  # (slots, hidden) final hidden states of those tokens
 
     @classmethod
-    def allocate(cls, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> PrefillBuffers:
-        return cls(StaticTokens.allocate(max_tokens, device),
-                   torch.zeros((max_tokens, hidden), dtype=dtype, device=device))
+    def allocate(cls, max_tokens: int, slots: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> PrefillBuffers:
+        return cls(StaticTokens.allocate(max_tokens, device), torch.zeros(slots, dtype=torch.int64, device=device),
+                   torch.zeros((slots, hidden), dtype=dtype, device=device))
 
 
 class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
@@ -99,13 +112,13 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
         self.step = step
         self.slots = slots
         self.max_padding_ratio = max_padding_ratio
-        self.buffers = PrefillBuffers.allocate(self.ladder[-1], step.hidden_size, dtype, step.device)
+        self.buffers = PrefillBuffers.allocate(self.ladder[-1], slots, step.hidden_size, dtype, step.device)
 
     def batch_size(self, batch: LivePrefillBatch) -> int:
         return batch.num_tokens
 
     def _choose(self, batch: LivePrefillBatch) -> BucketChoice:
-        if batch.num_requests > self.slots:
+        if batch.num_requests > self.slots or batch.num_rows > self.slots:
             return BucketChoice(None, "too_many_requests")
         choice = choose_bucket(batch.num_tokens, self.ladder, padding=True)
         if choice.replays and choice.size > self.max_padding_ratio * batch.num_tokens:
@@ -114,17 +127,21 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
 
     def capture_callable(self, size: int) -> Callable[[], None]:
         ids, pos = self.buffers.tokens.views(size)
-        out = self.buffers.hidden[:size]
+        rows, out = self.buffers.rows, self.buffers.hidden
         self.step.plan_dummy(size, self.slots)
 
         def forward() -> None:
-            out.copy_(self.step.forward_hidden(ids, pos))
+            torch.index_select(self.step.forward_hidden(ids, pos), 0, rows, out=out)
 
         return forward
 
     def load(self, batch: LivePrefillBatch, size: int) -> None:
         self.buffers.tokens.load(batch.input_ids, batch.positions, size)
+        k = batch.num_rows
+        if k:
+            self.buffers.rows[:k].copy_(batch.rows, non_blocking=True)
+        self.buffers.rows[k:].zero_()  # token 0 always exists in a shape: a valid, unread row
         self.step.plan(batch.attention, size, self.slots)
 
     def outputs(self, batch: LivePrefillBatch) -> torch.Tensor:
-        return self.buffers.hidden[: batch.num_tokens]
+        return self.buffers.hidden[: batch.num_rows]

@@ -71,12 +71,14 @@ def random_prefill_batch(own: OwnModel, rng: random.Random, requests: int, max_n
     ids = torch.tensor([rng.randrange(3, own.arch.vocab_size) for _ in range(sum(new))], device=device)
     pos = torch.tensor([p + i for p, n in zip(prefix, new) for i in range(n)], device=device)
     attention = AttentionBatch.prefill(seq_lens, new, tables)
-    return RandomPrefillBatch(LivePrefillBatch(ids, pos, attention, requests), set(pages))
+    last = torch.tensor(new, device=device).cumsum(0) - 1  # each request's last token: the sampled rows
+    return RandomPrefillBatch(LivePrefillBatch(ids, pos, attention, requests, last), set(pages))
 
 
 def eager_hidden(own: OwnModel, live: LivePrefillBatch) -> torch.Tensor:
+    """The eager forward's final hidden states of ``live.rows`` (what the prefill runner returns)."""
     own.attention.plan(live.attention)
-    return own.model(live.input_ids, live.positions, own.attention)
+    return own.model(live.input_ids, live.positions, own.attention).index_select(0, live.rows)
 
 
 def pad_decode_batch(batch: AttentionBatch, rows: int) -> AttentionBatch:

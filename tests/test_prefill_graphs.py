@@ -93,8 +93,9 @@ def test_debug_prefill_equals_eager(own):
         n, size = batch.live.num_tokens, choice.size
         padded = LivePrefillBatch(torch.cat([batch.live.input_ids, torch.zeros(size - n, dtype=torch.int64)]),
                                   torch.cat([batch.live.positions, torch.zeros(size - n, dtype=torch.int64)]),
-                                  pad_prefill_batch(batch.live.attention, size, runner.slots), runner.slots)
-        ref_padded = eager_hidden(own, padded)[:n].clone()
+                                  pad_prefill_batch(batch.live.attention, size, runner.slots), runner.slots,
+                                  batch.live.rows)
+        ref_padded = eager_hidden(own, padded).clone()
         ref_live = eager_hidden(own, batch.live).clone()
         got = runner.execute(batch.live, choice)
         assert torch.equal(got, ref_padded)
@@ -136,3 +137,24 @@ def test_engine_prefill_runner_path(checkpoint_dir):
     assert value("debug") >= 1 and value("too_many_requests") >= 1
     passes = registry.get_sample_value("cuda_graph_passes_total", {"phase": "prefill", "mode": "prefill_none"})
     assert passes == sum(1 for s in debug.step_stats if s.phase == "prefill")
+
+
+def test_the_runner_keeps_only_the_sampled_rows(own):
+    """The one static output is (slots, hidden): the rows a step samples, never (tokens, hidden);
+    entries past a smaller batch's rows are reset, so an earlier batch's rows never leak."""
+    runner = _runner(own, [128, 256], slots=4, ratio=1000.0)
+    assert runner.buffers.hidden.shape == (4, own.arch.hidden_size)
+    rng = random.Random(5)
+    big = random_prefill_batch(own, rng, 4, 50)
+    runner.execute(big.live, runner.decide(big.live))
+    assert runner.buffers.rows.tolist() == big.live.rows.tolist()
+    small = random_prefill_batch(own, rng, 2, 50)
+    got = runner.execute(small.live, runner.decide(small.live))
+    assert got.shape == (2, own.arch.hidden_size)
+    assert runner.buffers.rows[2:].tolist() == [0, 0]
+    assert rel_err(got, eager_hidden(own, small.live)) <= 1e-5
+    none = LivePrefillBatch(small.live.input_ids, small.live.positions, small.live.attention, 2)
+    assert runner.execute(none, runner.decide(none)).shape == (0, own.arch.hidden_size)
+    five = LivePrefillBatch(small.live.input_ids, small.live.positions, small.live.attention, 2,
+                            torch.arange(5))
+    assert runner.decide(five).reason == "too_many_requests"

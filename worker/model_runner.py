@@ -83,13 +83,15 @@ class ModelRunner:
         return self.decode_runner.run(live, lambda: self.model.compute_logits(self.forward(inputs)))
 
     def prefill_hidden(self, inputs: StepInputs, num_requests: int) -> torch.Tensor:
-        """Final hidden states (tokens, hidden) of a prefill step: graph replay when possible.
+        """Final hidden states (sampled rows, hidden) of a prefill step (the rows of
+        ``inputs.logits_rows``, in order); writes the step's KV. Graph replay when possible.
 
         A replayed result is a view of the runner's static output: consume it before the next step.
         """
         self.profile.record_prefill(inputs.input_ids.shape[0], num_requests)
-        live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests)
-        return self.prefill_runner.run(live, lambda: self.forward(inputs))
+        live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests,
+                                inputs.logits_rows)
+        return self.prefill_runner.run(live, lambda: self.forward(inputs).index_select(0, inputs.logits_rows))
 
     def execute(self, msg: StepMessage, previous: torch.Tensor | None = None,
                 ) -> tuple[SampleOutput | None, torch.Tensor | None]:
@@ -102,7 +104,7 @@ class ModelRunner:
             hidden = self.prefill_hidden(inputs, msg.num_requests)
             if not msg.logits_rows:
                 return None, None
-            logits = self.model.compute_logits(hidden[inputs.logits_rows])
+            logits = self.model.compute_logits(hidden)
         sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging,
                                  rows=self._sampling_rows)
         return sample(logits, sb), logits
