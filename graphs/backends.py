@@ -11,6 +11,15 @@ blocks it cached are given back before the capture grows the pool. Every later w
 inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never
 hold an activation peak beside the graphs; one that leaves anything allocated there raises
 :class:`WarmUpLeakError`, since a later replay would overwrite it.
+
+Pool segment (``pool_segment``, experimental): the eager allocator gives an activation peak one
+segment per size it could not fit (a freed 176 MiB MLP block carved into 32 MiB outputs leaves no
+room for the next layer's 176 MiB), so it reserves well above the bytes live at once; a capture
+into an empty pool does the same. With ``pool_segment`` the first capture's warm-up measures the
+live peak of the shape (allocated bytes, less what stays allocated after it, such as the cuBLAS
+workspace) and one free block of that size is made in the pool, on the capture stream, before
+the capture: the capture's allocations are carved from it (later ones still grow the pool if
+they do not fit). Measuring resets the allocator's peak statistics.
 """
 
 from __future__ import annotations
@@ -90,12 +99,13 @@ class GraphBackend(ABC):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True) -> None:
+                 warm_up_in_pool: bool = True, pool_segment: bool = False) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
         self._pool = pool
         self.warm_up_in_pool = warm_up_in_pool
+        self.pool_segment = pool_segment
         self.shapes: dict[Hashable, CapturedShape] = {}
 
     @property
@@ -168,9 +178,16 @@ class GraphBackend(ABC):
         if self.device.type != "cuda":
             return 0
         if not (self.warm_up_in_pool and self.shapes):
+            if self.pool_segment:
+                torch.cuda.reset_peak_memory_stats(self.device)
             self._warm_up(fn, in_pool=False)
+            # What the forward held at once beyond what it leaves allocated (workspaces it created).
+            live_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
-            return self._reserved()
+            before = self._reserved()
+            if self.pool_segment and not self.shapes:
+                self._reserve_segment(live_peak)  # counted in this shape's growth
+            return before
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)
         release_warm_up_memory(self.device)  # frees deferred by stream events are settled
@@ -182,6 +199,17 @@ class GraphBackend(ABC):
                 "a buffer on a later run that its first run did not. Set graphs.warm_up_in_pool: false "
                 "(warm-ups then run outside the pool, holding their own activation peak while graphs capture)")
         return reserved
+
+    def _reserve_segment(self, nbytes: int) -> None:
+        """Make one free block of ``nbytes`` in the pool for the capture stream (see the module
+        docstring), unless the pool already has that much free."""
+        reserved, allocated = self._usage()
+        if nbytes <= 0 or reserved - allocated >= nbytes:
+            return
+        with allocations_in_pool(self.pool, self.device), torch.cuda.stream(capture_stream(self.device)):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            del block
+        torch.cuda.synchronize(self.device)
 
     def _warm_up(self, fn: Callable[[], None], in_pool: bool) -> None:
         stream = capture_stream(self.device)
@@ -289,8 +317,8 @@ class _CompileTimed(GraphBackend):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True) -> None:
-        super().__init__(device, warmup, barrier, pool, warm_up_in_pool)
+                 warm_up_in_pool: bool = True, pool_segment: bool = False) -> None:
+        super().__init__(device, warmup, barrier, pool, warm_up_in_pool, pool_segment)
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         self.compiles = 0
@@ -380,16 +408,16 @@ OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBac
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                   warm_up_in_pool: bool = True) -> GraphBackend:
+                   warm_up_in_pool: bool = True, pool_segment: bool = False) -> GraphBackend:
     """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` is the eager runner: no backend).
 
     Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
-    ``warm_up_in_pool``: see the module docstring.
+    ``warm_up_in_pool``, ``pool_segment``: see the module docstring.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if device.type == "cuda":
-        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool)
+        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool, pool_segment)
     if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
-    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool)
+    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool, pool_segment)
