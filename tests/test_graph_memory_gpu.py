@@ -32,16 +32,30 @@ def _settle() -> int:
     return torch.cuda.memory_reserved()
 
 
-@pytest.mark.parametrize("backend", ["breakable", "full"])
-def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint_dir):
-    """Side by side on one model: with warm-ups outside the pool the capture's peak is the pool
-    plus a warm-up's activations; inside it the peak is about the pool, and replays still equal eager."""
+def _prefill_step(checkpoint_dir, backend: str) -> tuple[OwnModel, ModelPrefillStep]:
     if not flashinfer_importable():
         pytest.skip("flashinfer not installed")
     own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend="flashinfer",
                    num_pages=4096, kernels=select_kernels(CUDA), max_rows=64, max_pages_per_row=512)
     fill_cache_randomly(own)
-    step = ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable")
+    return own, ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable")
+
+
+def _check_replays_equal_eager(own: OwnModel, runner: PrefillGraphRunner, seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(20):
+        live = random_prefill_batch(own, rng, SLOTS, CEILING // SLOTS - 64, max_prefix=200).live
+        ref = eager_hidden(own, live).clone()
+        choice = runner.decide(live)
+        if choice.replays:
+            assert rel_l2(runner.execute(live, choice), ref) <= 2e-2
+
+
+@pytest.mark.parametrize("backend", ["breakable", "full"])
+def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint_dir):
+    """Side by side on one model: with warm-ups outside the pool the capture's peak is the pool
+    plus a warm-up's activations; inside it the peak is about the pool, and replays still equal eager."""
+    own, step = _prefill_step(checkpoint_dir, backend)
     measured = {}
     for in_pool in (False, True):
         pool = torch.cuda.graph_pool_handle()  # a pool of this measurement's own
@@ -56,13 +70,7 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
         assert runner.resident_bytes == held  # every byte of the pool is counted to a shape
         measured[in_pool] = (peak, held)
         if in_pool:
-            rng = random.Random(1)
-            for _ in range(20):
-                live = random_prefill_batch(own, rng, SLOTS, CEILING // SLOTS - 64, max_prefix=200).live
-                ref = eager_hidden(own, live).clone()
-                choice = runner.decide(live)
-                if choice.replays:
-                    assert rel_l2(runner.execute(live, choice), ref) <= 2e-2
+            _check_replays_equal_eager(own, runner, 1)
         runner.release()
         del runner
     (out_peak, out_pool), (in_peak, in_pool_bytes) = measured[False], measured[True]
@@ -78,12 +86,7 @@ def test_a_pool_segment_is_counted_and_replays_stay_exact(backend, checkpoint_di
     """graphs.pool_segment (experimental): the first capture's reserved segment is counted in the
     shapes' resident bytes (the budget sees all of the pool), and replays still equal eager.
     Prints the pool with and without the segment (bench/capture.py measures it on real models)."""
-    if not flashinfer_importable():
-        pytest.skip("flashinfer not installed")
-    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend="flashinfer",
-                   num_pages=4096, kernels=select_kernels(CUDA), max_rows=64, max_pages_per_row=512)
-    fill_cache_randomly(own)
-    step = ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable")
+    own, step = _prefill_step(checkpoint_dir, backend)
     pools = {}
     for segment in (False, True):
         pool = torch.cuda.graph_pool_handle()
@@ -94,13 +97,7 @@ def test_a_pool_segment_is_counted_and_replays_stay_exact(backend, checkpoint_di
         assert not runner.failed, runner.failed
         pools[segment] = pool_bytes(pool)
         assert runner.resident_bytes == pools[segment]
-        rng = random.Random(2)
-        for _ in range(20):
-            live = random_prefill_batch(own, rng, SLOTS, CEILING // SLOTS - 64, max_prefix=200).live
-            ref = eager_hidden(own, live).clone()
-            choice = runner.decide(live)
-            if choice.replays:
-                assert rel_l2(runner.execute(live, choice), ref) <= 2e-2
+        _check_replays_equal_eager(own, runner, 2)
         runner.release()
         del runner
     print(f"{backend}: pool {pools[False] / 2**20:.1f} MiB, with a pool segment {pools[True] / 2**20:.1f} MiB")
