@@ -90,7 +90,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     pool = graph_pool(cuda)
     torch.cuda.synchronize()
     if explain:
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=200_000)
     base = torch.cuda.memory_reserved()
     build = compile_s = capture_s = None
     runner = decode_runner = None
