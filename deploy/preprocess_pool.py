@@ -2,8 +2,10 @@
 
 A :class:`Preprocessor` runs ``prepare`` in a pool of processes (``serve.preprocess_workers``),
 each holding the checkpoint's tokenizer (the pool worker's one piece of state, set when it
-starts), so the replica's event loop and fleet thread never hold the GIL for a body's parsing,
-templating or tokenizing.
+starts), so the replica's event loop and fleet thread never hold the GIL for a large body's
+parsing, templating or tokenizing. A body of at most ``serve.preprocess_inline_bytes`` (off by
+default) is prepared on the replica's loop instead: its work is bounded by its size, and alone it
+costs less than a pool round trip, though a burst of them is prepared one at a time.
 """
 
 from __future__ import annotations
@@ -103,8 +105,11 @@ class Preprocessor:
     that call; the pool is replaced, and later requests go on. :meth:`shutdown` ends the workers.
     """
 
-    def __init__(self, model_path: str, workers: int) -> None:
+    def __init__(self, model_path: str, workers: int, inline_bytes: int = 0,
+                 tokenizer: Tokenizer | None = None) -> None:
         self._model_path, self._workers = str(model_path), workers
+        self._inline_bytes = inline_bytes
+        self._tokenizer = tokenizer if tokenizer is not None or not inline_bytes else load_tokenizer(model_path)
         self._pool = self._new_pool()
         # Event-loop state (touched only on the loop that runs prepare): bodies not yet handed to
         # a worker, and calls under way.
@@ -120,12 +125,15 @@ class Preprocessor:
         return pool
 
     async def prepare(self, route: str, raw: bytes, limits: PromptLimits) -> PreparedRequest:
-        """:func:`prepare` of ``raw`` in a worker; raises its :class:`ApiError`.
+        """:func:`prepare` of ``raw``, here if it is at most ``inline_bytes`` long, else in a worker;
+        raises its :class:`ApiError`.
 
         A body over :data:`SHARED_BODY_BYTES` goes to the worker in shared memory: through the pool's
         pipe (64 KiB at a time, each piece a wake-up of both processes) a 10 MB body took 0.25-0.3 s
         on a 2-core machine, during which the streams of other requests stalled.
         """
+        if len(raw) <= self._inline_bytes:
+            return prepare(route, raw, self._tokenizer, limits)
         if len(raw) <= SHARED_BODY_BYTES:
             result = await self._batched(route, raw, limits)
         else:

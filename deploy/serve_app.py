@@ -189,7 +189,8 @@ class OpenAIIngress:
         self.admission = Admission()
         self._drain_task: asyncio.Future | None = None
         self.tokenizer = load_tokenizer(self.config.model.path)
-        self.preprocessor = Preprocessor(self.config.model.path, self.config.serve.preprocess_workers)
+        self.preprocessor = Preprocessor(self.config.model.path, self.config.serve.preprocess_workers,
+                                         self.config.serve.preprocess_inline_bytes, self.tokenizer)
         self.fleet = StartingFleet(self.config, dict(fleet_options or {}), self.tokenizer)
 
     def __serve_build_asgi_app__(self):

@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from deploy.config import ConfigError, load_config
 from deploy.errors import ApiError
 from deploy.preprocess import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, prepare
 from deploy.preprocess_pool import Preprocessor
@@ -246,3 +247,39 @@ def test_bodies_sent_after_the_workers_died_are_answered_by_a_new_pool(checkpoin
         asyncio.run(scenario())
     finally:
         pool.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_small_bodies_are_prepared_inline_and_large_ones_in_the_pool(checkpoint_dir, llama):
+    """serve.preprocess_inline_bytes: a body up to that size is prepared on the caller's loop (no pool
+    call; its own 400 raised there), a larger one goes to a worker; both answers equal prepare's."""
+    import asyncio
+
+    path = str(checkpoint_dir("tiny-llama"))
+    small, large = _body(prompt="a b c"), _body(prompt=[5] * 200)
+    assert len(small) <= 512 < len(large)
+    pool = Preprocessor(path, workers=1, inline_bytes=512)
+    calls = []
+    submit = pool._pool.submit
+
+    def counting_submit(fn, *args):
+        calls.append(fn.__name__)
+        return submit(fn, *args)
+
+    pool._pool.submit = counting_submit
+    try:
+        async def scenario():
+            inline = await pool.prepare("completions", small, LIMITS)
+            assert inline == prepare("completions", small, llama, LIMITS)
+            with pytest.raises(ApiError) as e:
+                await pool.prepare("completions", _body(prompt="a", n=99), LIMITS)
+            assert e.value.status == 400 and e.value.param == "n"
+            assert calls == []
+            pooled = await pool.prepare("completions", large, LIMITS)
+            assert pooled.prompts == [[5] * 200] and calls == ["_prepare_batch_in_worker"]
+
+        asyncio.run(scenario())
+    finally:
+        pool.shutdown()
+    with pytest.raises(ConfigError, match="preprocess_inline_bytes"):
+        load_config(None, ["serve.preprocess_inline_bytes=262145"])

@@ -43,6 +43,14 @@ class ServeConfig(Section):
     preprocess_workers: processes that turn request bodies into admitted prompts (parse the JSON, render
         the chat template, tokenize) so none of it holds the replica's GIL (1..64;
         :class:`deploy.preprocess_pool.Preprocessor`).
+    preprocess_inline_bytes: bodies of at most this many bytes are prepared on the replica's event
+        loop instead of in the pool (0, the default: every body goes to the pool; at most 262144).
+        A pool call is a round trip through two processes and the replica's executor threads:
+        preprocessing averaged 5.6 ms of the TTFT at 16 req/s on the H200
+        (serve-colocated-20261203T182328). On the 2-core CPU machine (bench/preprocess.py,
+        preprocess-20261203T185640) one body of 512 token ids took 0.19 ms inline against 0.73 ms
+        through two workers, but a burst of 64 waited 23 ms on average inline against 18 ms in the
+        pool, which prepares two at a time; the H200 host is not measured yet, so it stays off.
     direct_ingress: ``graphfleet serve`` on a Ray it starts itself: the API replica serves HTTP on
         ``host:port`` itself (Ray Serve's direct ingress), so no request body and no streamed chunk
         crosses Serve's proxy, which moves to a free loopback port. On the 2-core CPU machine it
@@ -69,6 +77,7 @@ class ServeConfig(Section):
     drain_timeout_s: float = 30.0
     max_request_bytes: int = 16 * 1024 * 1024
     preprocess_workers: int = 2
+    preprocess_inline_bytes: int = 0
     direct_ingress: bool = True
     max_ongoing_requests: int = 100_000
 
@@ -90,6 +99,8 @@ class ServeConfig(Section):
         check(m >= 1024, "max_request_bytes", f"must be >= 1024, got {m!r}")
         w = self.preprocess_workers
         check(1 <= w <= 64, "preprocess_workers", f"must be in 1..64, got {w!r}")
+        i = self.preprocess_inline_bytes
+        check(0 <= i <= 262144, "preprocess_inline_bytes", f"must be in 0..262144, got {i!r}")
         o = self.max_ongoing_requests
         check(o >= 1, "max_ongoing_requests", f"must be >= 1, got {o!r}")
 
