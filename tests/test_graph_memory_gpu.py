@@ -11,7 +11,7 @@ import torch
 from deploy.config import load_config
 from graphs.backends import WarmUpLeakError, create_backend
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from graphs.process import pool_bytes
+from graphs.process import graph_pool, pool_bytes
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -155,8 +155,9 @@ def test_kv_pages_with_graphs_cost_at_most_the_graph_memory_and_capture_fits(che
     pages_on = on.worker.num_pages
     per_page = KVCacheShape(shape.num_layers, 1, shape.page_size, shape.num_kv_heads,
                             shape.head_dim).bytes_per_page(torch.bfloat16)
+    pool = pool_bytes(graph_pool(CUDA))  # the runners count their growth; earlier tests may have left free blocks
     print(f"KV pages: graphs off {pages_off}, on {pages_on}; graph memory {graph_bytes / 2**20:.1f} MiB "
-          f"({graph_bytes // per_page} pages' worth)")
+          f"({graph_bytes // per_page} pages' worth), the process pool {pool / 2**20:.1f} MiB")
     assert (pages_off - pages_on) * per_page <= graph_bytes
     from worker.sampling.params import SamplingParams
     got = on.generate([[5] * 300, [7] * 40], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
