@@ -109,7 +109,7 @@ class Preprocessor:
                  tokenizer: Tokenizer | None = None) -> None:
         self._model_path, self._workers = str(model_path), workers
         self._inline_bytes = inline_bytes
-        self._tokenizer = tokenizer if tokenizer is not None or not inline_bytes else load_tokenizer(model_path)
+        self._tokenizer = tokenizer  # the replica's, for the bodies prepared inline
         self._pool = self._new_pool()
         # Event-loop state (touched only on the loop that runs prepare): bodies not yet handed to
         # a worker, and calls under way.

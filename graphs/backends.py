@@ -12,21 +12,17 @@ inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so 
 hold an activation peak beside the graphs; one that leaves anything allocated there raises
 :class:`WarmUpLeakError`, since a later replay would overwrite it.
 
-Pool segment (``pool_segment``, experimental): the eager allocator gives an activation peak one
-segment per size it could not fit (a freed 176 MiB MLP block carved into 32 MiB outputs leaves no
-room for the next layer's 176 MiB), so it reserves well above the bytes live at once; a capture
-into an empty pool does the same. With ``pool_segment`` the first capture's warm-up measures the
-live peak of the shape (allocated bytes, less what stays allocated after it, such as the cuBLAS
-workspace) and one free block of that size is made in the pool, on the capture stream, before
-the capture: the capture's allocations are carved from it (later ones still grow the pool if
-they do not fit). Measuring resets the allocator's peak statistics.
+Pool segment (``pool_segment``, experimental): the first capture's warm-up also measures the
+shape's live activation peak (allocated bytes, less what stays allocated, such as the cuBLAS
+workspace), and :func:`graphs.process.reserve_pool_block` makes one free pool block of that size
+before the capture, which then carves its activations from it. Measuring resets the allocator's
+peak statistics.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -34,8 +30,16 @@ from dataclasses import dataclass, field
 import torch
 
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
+from graphs.capture_failures import offending_call, root_cause, sync_is_error
 from graphs.piecewise import CompileClock, compile_clock
-from graphs.process import allocations_in_pool, capture_stream, graph_pool, pool_usage, release_warm_up_memory
+from graphs.process import (
+    allocations_in_pool,
+    capture_stream,
+    graph_pool,
+    pool_usage,
+    release_warm_up_memory,
+    reserve_pool_block,
+)
 
 
 @dataclass
@@ -55,40 +59,6 @@ class CapturedShape:
 class WarmUpLeakError(RuntimeError):
     """A warm-up inside the graph pool left memory allocated there: graph replays would overwrite
     it. Not a :class:`CaptureError`: running the shape eagerly would not take the block back."""
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The first exception of a chain (a failed capture often raises again while ending)."""
-    seen = {id(exc)}
-    while exc.__context__ is not None and id(exc.__context__) not in seen:
-        exc = exc.__context__
-        seen.add(id(exc))
-    return exc
-
-
-def _offending_call(exc: BaseException) -> str:
-    """The innermost frame outside torch of ``exc``'s traceback, as ``file:line in fn: code``."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
-    if not frames:
-        return "unknown call"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
-
-
-@contextlib.contextmanager
-def sync_is_error(device: torch.device):
-    """Make host synchronisation raise *before* it reaches CUDA, so a capture that tries one
-    (``.item()``, ``.cpu()``, ``nonzero``) fails cleanly and can still be ended and discarded,
-    instead of invalidating the capture and leaving the RNG and allocator in capture state."""
-    if device.type != "cuda":
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 class GraphBackend(ABC):
@@ -132,9 +102,9 @@ class GraphBackend(ABC):
         except CaptureError as e:
             raise CaptureError(f"{phase} shape {key}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any failure inside capture is reported with its call
-            root = _root_cause(e)
+            root = root_cause(e)
             raise CaptureError(f"capturing {phase} shape {key} with the {self.name} backend failed at "
-                               f"{_offending_call(root)}: {type(root).__name__}: {root}") from e
+                               f"{offending_call(root)}: {type(root).__name__}: {root}") from e
         shape = CapturedShape(key, self.name, time.perf_counter() - start, self._reserved() - before,
                               segments, breaks, artifact=artifact)
         self.shapes[key] = shape
@@ -178,15 +148,16 @@ class GraphBackend(ABC):
         if self.device.type != "cuda":
             return 0
         if not (self.warm_up_in_pool and self.shapes):
-            if self.pool_segment:
+            measure = self.pool_segment and not self.shapes
+            if measure:
                 torch.cuda.reset_peak_memory_stats(self.device)
             self._warm_up(fn, in_pool=False)
             # What the forward held at once beyond what it leaves allocated (workspaces it created).
-            live_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            live_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device) \
+                if measure else 0
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
             before = self._reserved()
-            if self.pool_segment and not self.shapes:
-                self._reserve_segment(live_peak)  # counted in this shape's growth
+            reserve_pool_block(self.pool, self.device, live_peak)  # counted in this shape's growth
             return before
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)
@@ -199,17 +170,6 @@ class GraphBackend(ABC):
                 "a buffer on a later run that its first run did not. Set graphs.warm_up_in_pool: false "
                 "(warm-ups then run outside the pool, holding their own activation peak while graphs capture)")
         return reserved
-
-    def _reserve_segment(self, nbytes: int) -> None:
-        """Make one free block of ``nbytes`` in the pool for the capture stream (see the module
-        docstring), unless the pool already has that much free."""
-        reserved, allocated = self._usage()
-        if nbytes <= 0 or reserved - allocated >= nbytes:
-            return
-        with allocations_in_pool(self.pool, self.device), torch.cuda.stream(capture_stream(self.device)):
-            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            del block
-        torch.cuda.synchronize(self.device)
 
     def _warm_up(self, fn: Callable[[], None], in_pool: bool) -> None:
         stream = capture_stream(self.device)

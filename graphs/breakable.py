@@ -181,7 +181,7 @@ class BreakableCapture:
 
     def _begin_segment(self) -> None:
         self._segment = torch.cuda.CUDAGraph()
-        # Host syncs raise before reaching CUDA while a segment records (see backends.sync_is_error).
+        # Host syncs raise before reaching CUDA while a segment records (see capture_failures.sync_is_error).
         self._sync_mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:

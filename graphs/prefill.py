@@ -139,7 +139,7 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
         self.buffers.tokens.load(batch.input_ids, batch.positions, size)
         k = batch.num_rows
         if k:
-            self.buffers.rows[:k].copy_(batch.rows, non_blocking=True)
+            self.buffers.rows[:k].copy_(batch.rows)
         self.buffers.rows[k:].zero_()  # token 0 always exists in a shape: a valid, unread row
         self.step.plan(batch.attention, size, self.slots)
 

@@ -98,6 +98,24 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
         return _streams[idx]
 
 
+def reserve_pool_block(pool: tuple, device: torch.device, nbytes: int) -> None:
+    """Make one free block of ``nbytes`` in graph pool ``pool`` for the capture stream, unless the
+    pool already has that much free (``graphs.pool_segment``). The eager allocator gives an
+    activation peak one segment per size it could not fit (a freed 176 MiB MLP block carved into
+    32 MiB outputs leaves no room for the next layer's 176 MiB), and a capture into an empty pool
+    does the same; a capture that starts on one block that size carves its allocations from it
+    (later ones still grow the pool if they do not fit)."""
+    if nbytes <= 0 or device.type != "cuda":
+        return
+    reserved, allocated = pool_usage(pool, device)
+    if reserved - allocated >= nbytes:
+        return
+    with allocations_in_pool(pool, device), torch.cuda.stream(capture_stream(device)):
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        del block
+    torch.cuda.synchronize(device)
+
+
 def release_warm_up_memory(device: torch.device) -> None:
     """Give the caching allocator's free blocks back to the driver at the end of a capture pass
     (nothing to give back on a CPU device).

@@ -258,7 +258,7 @@ def test_small_bodies_are_prepared_inline_and_large_ones_in_the_pool(checkpoint_
     path = str(checkpoint_dir("tiny-llama"))
     small, large = _body(prompt="a b c"), _body(prompt=[5] * 200)
     assert len(small) <= 512 < len(large)
-    pool = Preprocessor(path, workers=1, inline_bytes=512)
+    pool = Preprocessor(path, workers=1, inline_bytes=512, tokenizer=llama)
     calls = []
     submit = pool._pool.submit
 
