@@ -77,6 +77,7 @@ class GraphBackend(ABC):
         self.warm_up_in_pool = warm_up_in_pool
         self.pool_segment = pool_segment
         self.shapes: dict[Hashable, CapturedShape] = {}
+        self._segment_anchor: torch.cuda.CUDAGraph | None = None  # holds the pool segment's pool
 
     @property
     def pool(self) -> tuple:
@@ -126,6 +127,7 @@ class GraphBackend(ABC):
         for shape in self.shapes.values():
             self._release(shape.artifact)
         self.shapes.clear()
+        self._segment_anchor = None
 
     @property
     def resident_bytes(self) -> int:
@@ -157,7 +159,9 @@ class GraphBackend(ABC):
                 if measure else 0
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
             before = self._reserved()
-            reserve_pool_block(self.pool, self.device, live_peak)  # counted in this shape's growth
+            anchor = reserve_pool_block(self.pool, self.device, live_peak)  # counted in this shape's growth
+            if anchor is not None:
+                self._segment_anchor = anchor
             return before
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)
