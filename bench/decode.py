@@ -27,6 +27,10 @@ step over the peer's (below 1: ours is faster). The JSON has, per preset, the ta
 ``<peer>_error`` where a peer gave no number), ``graph_memory`` and ``peers``: each peer's rows per
 batch (``step_s``, ``t1_s``, ``t65_s`` or ``error``), its process-level ``error`` and ``wall_s``.
 
+The attention backend is built as the engine builds it (fast decode plan, fused RoPE + KV write);
+``full_two_kernel`` is the same full graph with RoPE and the KV append as two kernels, timed in the
+same run (``two_kernel_over_fused`` above 1: the fused kernel is faster).
+
 GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
 --presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
 """
@@ -88,8 +92,14 @@ class Setup:
         self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, ps, shape.num_kv_heads,
                                                self.arch.head_dim), torch.bfloat16, CUDA)
         self.cache.kv.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
+        # As the engine's defaults: the fast decode plan and the fused RoPE + KV write; the same
+        # full graph without the fused kernel is timed beside it (``full_two_kernel``).
         self.attention = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
-                                                  self.pages_per_row)
+                                                  self.pages_per_row, fast_decode_plan=True, fused_rope_store=True)
+        self.two_kernel = None
+        if getattr(self.attention, "_rope_store", None) is not None:
+            self.two_kernel = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
+                                                       self.pages_per_row, fast_decode_plan=True)
         self.context = context
 
     def batch(self, b: int) -> LiveDecodeBatch:
@@ -120,9 +130,12 @@ def ours(setup: Setup, batches: list[int], repeats: int) -> tuple[dict, dict]:
 
         rows[("eager", b)] = timed(eager, repeats)
     memory = {}
-    for name in ("full", "breakable"):
-        step = ModelDecodeStep(setup.model, setup.attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name, CUDA), batches)
+    variants = [("full", setup.attention), ("breakable", setup.attention)]
+    if setup.two_kernel is not None:
+        variants.append(("full_two_kernel", setup.two_kernel))
+    for name, attention in variants:
+        step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
+        runner = DecodeGraphRunner(step, create_backend(name.removesuffix("_two_kernel"), CUDA), batches)
         summary = runner.capture_all(progress=False)
         if runner.failed:
             raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
@@ -202,6 +215,9 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
              "full_over_floor": full * 1e3 / floors[b], "eager_ms": rows[("eager", b)] * 1e3,
              "breakable_ms": rows[("breakable", b)] * 1e3, "eager_over_full": rows[("eager", b)] / full,
              "breakable_over_full": rows[("breakable", b)] / full}
+        if ("full_two_kernel", b) in rows:  # RoPE and the KV append as two kernels, side by side
+            r["full_two_kernel_ms"] = rows[("full_two_kernel", b)] * 1e3
+            r["two_kernel_over_fused"] = rows[("full_two_kernel", b)] / full
         for peer, res in peers.items():
             step, error = step_or_error(res, b)
             r[PEER_COLUMNS[peer]] = step * 1e3 if step is not None else None
@@ -260,7 +276,8 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
 def report(results: dict, peers: list[str]) -> None:
     chosen = [p for p in PEERS if p in peers]
     print_table([r for res in results["presets"].values() for r in res["rows"]],
-                ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "eager_ms", "breakable_ms",
+                ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "full_two_kernel_ms",
+                 "two_kernel_over_fused", "eager_ms", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])

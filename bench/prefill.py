@@ -122,6 +122,12 @@ def meta_peer(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float
             attend(layer, q, out)
             return out
 
+        def run_with_rope(self, layer, rope, q, k, v):
+            q, k = rope.rotate(q, k)
+            s, n = attention.shape, q.shape[0]
+            return self.run(layer, q.view(n, s.num_q_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim),
+                            v.view(n, s.num_kv_heads, s.head_dim))
+
     out = {}
     stream = torch.cuda.Stream()
     for n in lengths:

@@ -35,14 +35,18 @@ class OwnModel:
     """Our model over our paged KV cache; steps return logits for every token in the batch."""
 
     def __init__(self, model_dir, dtype=torch.float32, device="cpu", backend="torch",
-                 num_pages=256, page_size=16, kernels=None, max_rows=64, max_pages_per_row=None):
+                 num_pages=256, page_size=16, kernels=None, max_rows=64, max_pages_per_row=None,
+                 fused_rope_store=None):
         device = torch.device(device)
         self.model, self.arch = load_model(model_dir, dtype, device, kernels=kernels)
         shape = self.model.attention_shape
         self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, page_size, shape.num_kv_heads,
                                                self.arch.head_dim), dtype, device)
+        # fused_rope_store as the Worker's default (on for flashinfer) unless a test says
         self.attention = create_attention_backend(backend, shape, self.cache, max_rows, 4096,
-                                                  max_pages_per_row or num_pages)
+                                                  max_pages_per_row or num_pages,
+                                                  fused_rope_store=backend != "torch" if fused_rope_store is None
+                                                  else fused_rope_store)
         self.runner = ModelRunner(self.model, self.attention, EagerRunner("decode", "disabled"),
                                   EagerRunner("prefill", "disabled"))
         self.allocator = PageAllocator(num_pages)

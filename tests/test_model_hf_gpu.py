@@ -124,7 +124,8 @@ def test_both_backends_agree_bf16(preset, checkpoint_dir):
     results = {}
     for backend in BACKENDS:
         kernels = TorchKernels  # the same element-wise kernels: only the attention backend differs
-        ours = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend=backend, kernels=kernels)
+        ours = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend=backend, kernels=kernels,
+                        fused_rope_store=False)
         reqs = [ours.new_request(p, i) for i, p in enumerate(prompts)]
         prefill = ours.step(reqs, [len(p) for p in prompts], is_prefill=True)
         for r in reqs:

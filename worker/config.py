@@ -55,10 +55,14 @@ class AttentionConfig(Section):
     fast_decode_plan: flashinfer only: re-plan a captured decode shape through flashinfer's
         scheduler alone (vLLM's and SGLang's fast_decode_plan), skipping its Python plan's checks
         and copies (on the H200 at batch 64: 209 against 353-515 us of host time a step).
+    fused_rope_store: flashinfer only: one Triton kernel rotates q and k and writes k and v into
+        the KV cache (worker/attention/rope_store.py), instead of flashinfer's RoPE kernel and then
+        its KV append; off, or where Triton does not import, the two kernels run.
     """
 
     backend: AttentionBackend = "auto"
     fast_decode_plan: bool = True
+    fused_rope_store: bool = True
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ class Worker:
         max_tokens = max(sched.max_num_batched_tokens, max_rows, self.prefill_ceiling)
         self.attention = create_attention_backend(self.config.attention.backend, shape, self.kv_cache, max_rows,
                                                   max_tokens, -(-max_model_len // cache.page_size),
-                                                  fast_decode_plan=self.config.attention.fast_decode_plan)
+                                                  fast_decode_plan=self.config.attention.fast_decode_plan,
+                                                  fused_rope_store=self.config.attention.fused_rope_store)
 
     # ----- graphs -----
 

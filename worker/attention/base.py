@@ -9,7 +9,9 @@ captured around ``run`` stays valid when the next step's ``plan`` rewrites the b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +28,23 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
+
+
+class Rope(NamedTuple):
+    """The rotary embedding a layer's ``q`` and ``k`` get before attention (built once a forward).
+
+    ``apply`` is the model's kernel (``Kernels.apply_rope``), used wherever the backend does not
+    fuse RoPE into its KV write. A NamedTuple, so ``torch.compile`` traces through it.
+    """
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor  # float32 (max_pos, head_dim): cos of the pair frequencies, then sin
+    head_dim: int
+    apply: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` (tokens, Hq*D) and ``k`` (tokens, Hk*D) rotated by the model's kernel."""
+        return self.apply(self.positions, q, k, self.head_dim, self.cos_sin_cache)
 
 
 @dataclass
@@ -191,6 +210,28 @@ class AttentionBackend(ABC):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.attend(layer, q, out)
         return out
+
+    def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` of ``q`` and ``k`` rotated by ``rope``: ``q`` (tokens, Hq*D), ``k`` and ``v``
+        (tokens, Hk*D), strided row views allowed; returns (tokens, Hq, D). ``q`` and ``k`` may be
+        rotated in place (callers never reuse their old values)."""
+        tokens = q.shape[0]
+        q = self.store_rotated(layer, rope, q, k, v)
+        q = q.view(tokens, self.shape.num_q_heads, self.shape.head_dim)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.attend(layer, q, out)
+        return out
+
+    def store_rotated(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """Rotate ``q`` and ``k`` by ``rope``, store ``k, v`` and return the rotated ``q`` (shapes as in
+        :meth:`run_with_rope`). Here: the model's RoPE kernel, then :meth:`store`; a backend with
+        one kernel for both overrides it (graph-safe either way)."""
+        q, k = rope.rotate(q, k)
+        tokens, heads, d = q.shape[0], self.shape.num_kv_heads, self.shape.head_dim
+        self.store(layer, k.view(tokens, heads, d), v.view(tokens, heads, d))
+        return q
 
     @abstractmethod
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphs.breakable import eager_break
-from worker.attention.base import AttentionBackend
+from worker.attention.base import AttentionBackend, Rope
 
 
 @eager_break
@@ -29,6 +29,13 @@ class BreakingAttention:
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.backend.store(layer, k, v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        _attention_break(self.backend, layer, q, out)
+        return out
+
+    def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = self.backend.shape
+        q = self.backend.store_rotated(layer, rope, q, k, v).view(q.shape[0], s.num_q_heads, s.head_dim)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _attention_break(self.backend, layer, q, out)
         return out

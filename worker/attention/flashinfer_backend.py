@@ -56,6 +56,7 @@ from worker.attention.base import (
     AttentionBackend,
     AttentionBatch,
     AttentionShape,
+    Rope,
     locations_of,
     row_geometry,
 )
@@ -72,6 +73,21 @@ def _import_flashinfer() -> Any:
     except Exception as exc:  # noqa: BLE001 - a broken install is as unusable as a missing one
         raise ImportError(INSTALL_HINT) from exc
     return flashinfer
+
+
+def rope_store_applies(head_dim: int) -> bool:
+    """Whether Triton imports and the fused RoPE + KV-write kernel serves ``head_dim``."""
+    try:
+        from worker.attention.rope_store import supports
+    except Exception:  # noqa: BLE001 - no Triton (or a broken one): the two-kernel path serves
+        return False
+    return supports(head_dim)
+
+
+def _import_rope_store() -> Any:
+    from worker.attention.rope_store import rope_and_store
+
+    return rope_and_store
 
 
 def build_metadata(batch: AttentionBatch, page_size: int
@@ -130,7 +146,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int, max_num_tokens: int,
                  max_pages_per_row: int | None = None, *, workspace_bytes: int = 256 << 20,
                  decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None,
-                 fast_decode_plan: bool = False) -> None:
+                 fast_decode_plan: bool = False, fused_rope_store: bool = False) -> None:
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         self._fi = _import_flashinfer()
         dev = kv_cache.device
@@ -147,6 +163,7 @@ class FlashInferBackend(AttentionBackend):
         self.q_dtype = q_dtype or kv_cache.dtype
         self.decode_use_tensor_cores = decode_use_tensor_cores
         self.fast_decode_plan = fast_decode_plan
+        self._rope_store = _import_rope_store() if fused_rope_store and rope_store_applies(shape.head_dim) else None
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
         # The prefill capacity plan (see graph_wrapper) puts all tokens of a shape in one row.
@@ -348,6 +365,19 @@ class FlashInferBackend(AttentionBackend):
             self._decode_qo_host[: rows + 1], self._host_views["kv_indptr"][: rows + 1], self._kv_lens_host[:rows],
             rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
             False, -1, -1, False, 0, 0)
+
+    def store_rotated(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """With ``fused_rope_store``: one Triton kernel rotates ``q`` in place and writes rotated ``k``
+        and ``v`` at the planned locations (graph-safe). Under ``torch.compile`` tracing, or without
+        it, RoPE and the append run as two kernels (:meth:`AttentionBackend.store_rotated`)."""
+        if self._rope_store is None or torch.compiler.is_compiling():
+            return super().store_rotated(layer, rope, q, k, v)
+        tokens = q.shape[0]
+        if tokens != self._num_tokens:
+            raise RuntimeError(f"store_rotated() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
+        return self._rope_store(q, k, v, rope.positions, rope.cos_sin_cache, self.kv_cache.layer(layer),
+                                self.locations)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v`` at the planned locations (one fused kernel; graph-safe)."""

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from graphs.breakable import eager_break
-from worker.attention.base import AttentionBackend
+from worker.attention.base import AttentionBackend, Rope
 
 _backends: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
 _keys = itertools.count()
@@ -62,3 +62,10 @@ class SplittingAttention:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         torch.ops.graphfleet.attention.default(q, k, v, out, self.key, layer)
         return out
+
+    def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # RoPE stays in the compiled piece (inductor fuses it); the op stores and attends.
+        q, k = rope.rotate(q, k)
+        s, tokens = self.backend.shape, q.shape[0]
+        return self.run(layer, q.view(tokens, s.num_q_heads, s.head_dim), k.view(tokens, s.num_kv_heads, s.head_dim),
+                        v.view(tokens, s.num_kv_heads, s.head_dim))

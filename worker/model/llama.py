@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention.base import AttentionBackend, AttentionShape
+from worker.attention.base import AttentionBackend, AttentionShape, Rope
 from worker.model.arch import ModelArch
 from worker.model.kernels import Kernels
 from worker.model.linear import ColumnParallelLinear, RowParallelLinear, Source, VocabParallelEmbedding, qkv_sources
@@ -51,24 +51,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", arch.head_dim, arch.rms_norm_eps, dtype, kernels)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", arch.head_dim, arch.rms_norm_eps, dtype, kernels)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        # q, k and v stay strided views of qkv (rows qkv_size apart): RoPE and the attention
-        # backends take row strides, so no copy kernels run between the projection and attention.
-        q, k = self.kernels.apply_rope(positions, q, k, self.head_dim, cos_sin)
-        tokens = x.shape[0]
-        out = attn.run(
-            self.layer,
-            q.view(tokens, self.q_heads, self.head_dim),
-            k.view(tokens, self.kv_heads, self.head_dim),
-            v.view(tokens, self.kv_heads, self.head_dim),
-        )
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        # q, k and v stay strided views of qkv (rows qkv_size apart): RoPE, the KV write and the
+        # attention backends take row strides, so no copy kernels run between the projection and
+        # attention. The backend rotates q and k (in one kernel with the KV write where it can).
+        out = attn.run_with_rope(self.layer, rope, q, k, v)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -99,14 +92,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", arch.hidden_size, eps, dtype, kernels)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                cos_sin: torch.Tensor, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(positions, x, cos_sin, attn)
+        x = self.self_attn(x, rope, attn)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
 
@@ -156,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
+        rope = Rope(positions, self.cos_sin_cache, self.arch.head_dim, self.kernels.apply_rope)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin_cache, attn)
+            x, residual = layer(x, residual, rope, attn)
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
