@@ -29,7 +29,8 @@ batch (``step_s``, ``t1_s``, ``t65_s`` or ``error``), its process-level ``error`
 
 The attention backend is built as the engine builds it (fast decode plan, fused RoPE + KV write);
 ``full_two_kernel`` is the same full graph with RoPE and the KV append as two kernels, timed in the
-same run (``two_kernel_over_fused`` above 1: the fused kernel is faster).
+same run (``two_kernel_over_fused`` above 1: the fused kernel is faster); ``full_no_split`` is the
+full graph with ``attention.decode_graph_split_kv`` off (no KV split, no merge kernel).
 
 GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
 --presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
@@ -96,10 +97,14 @@ class Setup:
         # full graph without the fused kernel is timed beside it (``full_two_kernel``).
         self.attention = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
                                                   self.pages_per_row, fast_decode_plan=True, fused_rope_store=True)
-        self.two_kernel = None
+        self.two_kernel = self.no_split = None
         if getattr(self.attention, "_rope_store", None) is not None:
             self.two_kernel = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
                                                        self.pages_per_row, fast_decode_plan=True)
+        if attention == "flashinfer":  # decode graphs without flashinfer's KV split and merge kernel
+            self.no_split = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
+                                                     self.pages_per_row, fast_decode_plan=True, fused_rope_store=True,
+                                                     decode_graph_split_kv=False)
         self.context = context
 
     def batch(self, b: int) -> LiveDecodeBatch:
@@ -133,9 +138,11 @@ def ours(setup: Setup, batches: list[int], repeats: int) -> tuple[dict, dict]:
     variants = [("full", setup.attention), ("breakable", setup.attention)]
     if setup.two_kernel is not None:
         variants.append(("full_two_kernel", setup.two_kernel))
+    if setup.no_split is not None:
+        variants.append(("full_no_split", setup.no_split))
     for name, attention in variants:
         step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name.removesuffix("_two_kernel"), CUDA), batches)
+        runner = DecodeGraphRunner(step, create_backend(name.split("_")[0], CUDA), batches)
         summary = runner.capture_all(progress=False)
         if runner.failed:
             raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
@@ -218,6 +225,9 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
         if ("full_two_kernel", b) in rows:  # RoPE and the KV append as two kernels, side by side
             r["full_two_kernel_ms"] = rows[("full_two_kernel", b)] * 1e3
             r["two_kernel_over_fused"] = rows[("full_two_kernel", b)] / full
+        if ("full_no_split", b) in rows:  # decode graphs without the KV split and merge kernel
+            r["full_no_split_ms"] = rows[("full_no_split", b)] * 1e3
+            r["no_split_over_full"] = rows[("full_no_split", b)] / full
         for peer, res in peers.items():
             step, error = step_or_error(res, b)
             r[PEER_COLUMNS[peer]] = step * 1e3 if step is not None else None
@@ -277,7 +287,7 @@ def report(results: dict, peers: list[str]) -> None:
     chosen = [p for p in PEERS if p in peers]
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "full_two_kernel_ms",
-                 "two_kernel_over_fused", "eager_ms", "breakable_ms",
+                 "two_kernel_over_fused", "full_no_split_ms", "no_split_over_full", "eager_ms", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])

@@ -175,9 +175,10 @@ def test_decode_with_padding_rows_matches_reference(flashinfer, tensor_cores):
 
 
 @pytest.mark.gpu
-def test_decode_cuda_graph_replays_after_replanning(flashinfer):
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_decode_cuda_graph_replays_after_replanning(flashinfer, split_kv):
     cache = make_cache()
-    backend = FlashInferBackend(SHAPE, cache, 8, 256)
+    backend = FlashInferBackend(SHAPE, cache, 8, 256, decode_graph_split_kv=split_kv)
     eager = FlashInferBackend(SHAPE, cache, 8, 256)  # same cache, no graph wrappers
     rows = 8
     backend.graph_wrapper(False, rows)
@@ -230,14 +231,15 @@ def test_every_wrapper_shares_one_int_workspace_and_replays_its_own_plan(flashin
 
 
 @pytest.mark.gpu
-def test_fast_decode_plan_makes_flashinfers_own_plan(flashinfer):
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_fast_decode_plan_makes_flashinfers_own_plan(flashinfer, split_kv):
     """``fast_decode_plan`` re-plans a captured decode shape through flashinfer's scheduler alone:
     the plan is the one flashinfer's ``plan`` makes (same plan info) and the replay's output equals
     the ordinary plan's bit for bit, over batches whose lengths, pages and padding change, long rows
     (split KV) included."""
     cache = make_cache()
-    fast = FlashInferBackend(SHAPE, cache, 8, 256, fast_decode_plan=True)
-    plain = FlashInferBackend(SHAPE, cache, 8, 256)
+    fast = FlashInferBackend(SHAPE, cache, 8, 256, fast_decode_plan=True, decode_graph_split_kv=split_kv)
+    plain = FlashInferBackend(SHAPE, cache, 8, 256, decode_graph_split_kv=split_kv)
     rows = 8
     q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
     graphs = {}
@@ -260,7 +262,9 @@ def test_fast_decode_plan_makes_flashinfers_own_plan(flashinfer):
             graph.replay()
             torch.cuda.synchronize()
             outs.append(out[: len(seq_lens)].clone())
-        assert list(fast._graph_wrappers[key]._plan_info) == list(plain._graph_wrappers[key]._plan_info), seed
+        info = list(fast._graph_wrappers[key]._plan_info)
+        assert info == list(plain._graph_wrappers[key]._plan_info), seed
+        assert info[14] == int(split_kv), "PrefillPlanInfo's split_kv (its 15th field) follows the flag"
         assert torch.equal(outs[0], outs[1]), f"seed {seed}: the fast plan's replay differs"
         padded = AttentionBatch.decode(seq_lens + [1] * (rows - len(seq_lens)),
                                        batch.page_tables.tolist() + [[DUMMY]] * (rows - len(seq_lens)))

@@ -58,11 +58,15 @@ class AttentionConfig(Section):
     fused_rope_store: flashinfer only: one Triton kernel rotates q and k and writes k and v into
         the KV cache (worker/attention/rope_store.py), instead of flashinfer's RoPE kernel and then
         its KV append; off, or where Triton does not import, the two kernels run.
+    decode_graph_split_kv: flashinfer only: captured decode shapes split each row's KV and merge
+        the parts (flashinfer's graph mode; any context length is fast); off, one CTA reads a
+        row's whole KV with no merge kernel (faster at short contexts, slow at long ones).
     """
 
     backend: AttentionBackend = "auto"
     fast_decode_plan: bool = True
     fused_rope_store: bool = True
+    decode_graph_split_kv: bool = True
 
 
 @dataclass(frozen=True)

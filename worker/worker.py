@@ -159,7 +159,8 @@ class Worker:
         self.attention = create_attention_backend(self.config.attention.backend, shape, self.kv_cache, max_rows,
                                                   max_tokens, -(-max_model_len // cache.page_size),
                                                   fast_decode_plan=self.config.attention.fast_decode_plan,
-                                                  fused_rope_store=self.config.attention.fused_rope_store)
+                                                  fused_rope_store=self.config.attention.fused_rope_store,
+                                                  decode_graph_split_kv=self.config.attention.decode_graph_split_kv)
 
     # ----- graphs -----
 

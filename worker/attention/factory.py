@@ -20,10 +20,11 @@ def flashinfer_importable() -> bool:
 
 def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int,
                              max_num_tokens: int, max_pages_per_row: int, *,
-                             fast_decode_plan: bool = False, fused_rope_store: bool = False) -> AttentionBackend:
+                             fast_decode_plan: bool = False, fused_rope_store: bool = False,
+                             decode_graph_split_kv: bool = True) -> AttentionBackend:
     """``auto`` takes flashinfer when the cache is on CUDA and flashinfer imports, else torch.
-    ``fast_decode_plan`` and ``fused_rope_store`` are flashinfer's (:class:`FlashInferBackend`); the
-    torch backend is the reference and keeps its plain RoPE and store."""
+    ``fast_decode_plan``, ``fused_rope_store`` and ``decode_graph_split_kv`` are flashinfer's
+    (:class:`FlashInferBackend`); the torch backend is the reference and keeps its plain RoPE and store."""
     if name == "auto":
         name = "flashinfer" if kv_cache.device.type == "cuda" and flashinfer_importable() else "torch"
         if name == "torch" and kv_cache.device.type == "cuda":
@@ -38,5 +39,6 @@ def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKV
         from worker.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(shape, kv_cache, max_num_rows, max_num_tokens, max_pages_per_row,
-                                 fast_decode_plan=fast_decode_plan, fused_rope_store=fused_rope_store)
+                                 fast_decode_plan=fast_decode_plan, fused_rope_store=fused_rope_store,
+                                 decode_graph_split_kv=decode_graph_split_kv)
     raise ValueError(f"attention.backend={name!r}; allowed: auto, torch, flashinfer")

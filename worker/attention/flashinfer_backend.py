@@ -139,6 +139,11 @@ class FlashInferBackend(AttentionBackend):
     vLLM always enables it (it is never slower, and much faster for GQA groups > 4) and SGLang
     enables it for groups >= 4, i.e. for every Llama-3 shape. ``q_dtype`` is the query/output
     dtype (default: the cache dtype). ``fast_decode_plan``: see the module docstring.
+    ``decode_graph_split_kv`` (tensor-core decode): a captured decode shape splits the KV of
+    every row into chunks and merges their partial results (flashinfer always splits in its
+    CUDA-graph mode, so that the recorded merge kernel is right for any later context); off, each
+    row's KV is read by one CTA per head group with no merge kernel: fewer kernels and no partial
+    outputs at short contexts, far less parallelism at long ones and small batches.
     """
 
     name = "flashinfer"
@@ -146,7 +151,8 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int, max_num_tokens: int,
                  max_pages_per_row: int | None = None, *, workspace_bytes: int = 256 << 20,
                  decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None,
-                 fast_decode_plan: bool = False, fused_rope_store: bool = False) -> None:
+                 fast_decode_plan: bool = False, fused_rope_store: bool = False,
+                 decode_graph_split_kv: bool = True) -> None:
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         self._fi = _import_flashinfer()
         dev = kv_cache.device
@@ -163,6 +169,7 @@ class FlashInferBackend(AttentionBackend):
         self.q_dtype = q_dtype or kv_cache.dtype
         self.decode_use_tensor_cores = decode_use_tensor_cores
         self.fast_decode_plan = fast_decode_plan
+        self.decode_graph_split_kv = decode_graph_split_kv
         self._rope_store = _import_rope_store() if fused_rope_store and rope_store_applies(shape.head_dim) else None
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
@@ -338,6 +345,8 @@ class FlashInferBackend(AttentionBackend):
             self._fast_plan(wrapper, rows, batch.seq_lens)
             self._num_q = rows
         else:
+            if wrapper.is_cuda_graph_enabled and self.decode_use_tensor_cores and not self.decode_graph_split_kv:
+                common["disable_split_kv"] = True
             wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)
             self._num_q = rows
@@ -352,7 +361,8 @@ class FlashInferBackend(AttentionBackend):
         host twin just written: its indptr and last_page_len regions are on the device already, so
         only flashinfer's scheduler runs. ``seq`` holds the live rows' KV lengths; padding rows have
         one token each. The arguments mirror ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor
-        cores, fa2, one query token a row, no window, no fixed split)."""
+        cores, fa2, one query token a row, no window, no fixed split; causal, window_left,
+        fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len last)."""
         live = len(seq)
         lens = self._kv_lens_np
         lens[:live] = seq
@@ -364,7 +374,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
             self._decode_qo_host[: rows + 1], self._host_views["kv_indptr"][: rows + 1], self._kv_lens_host[:rows],
             rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
-            False, -1, -1, False, 0, 0)
+            False, -1, -1, not self.decode_graph_split_kv, 0, 0)
 
     def store_rotated(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
