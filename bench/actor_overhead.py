@@ -9,7 +9,10 @@ reach their request handles in a window of steady decoding (the fleet loop, the 
 event delivery included). Without a GPU it runs the same comparison on the CPU (graphs off) with
 ``--preset tiny-llama``. ``leader_interval_ms`` is the window over the leader's steps in it
 (a step's own time plus whatever the loop does between steps); ``wait_core_share`` is the CPU the
-engine loop's thread spends while it waits for a step's tokens over that wait (GPU only).
+engine loop's thread spends while it waits for a step's tokens over that wait (GPU only), and
+``wait_ms_per_step`` / ``wait_cpu_ms_per_step`` are that wait and its CPU per decode step: a
+share near 1 over a wait of a few microseconds is a loop that never waits (the host is the bound),
+not a spinning one.
 
 Every row is measured with synchronous and with async scheduling (``--scheduling``), in-process
 and fleet alike, so the default can follow the faster. ``--profile-s N`` samples the leader's
@@ -155,7 +158,10 @@ def fleet_decode(fleet: Fleet, batch: int, context: int, window_s: float, vocab:
             "delivered_step_s": batch * (t1 - t0) / delivered,
             "leader_interval_s": (t1 - t0) / len(stats), "leader_steps": len(stats),
             "other_steps": len(stats) - len(decode),
-            "wait_core_share": sum(s[4] for s in decode) / waited if waited > 0 else None, "profile": profile}
+            "wait_core_share": sum(s[4] for s in decode) / waited if waited > 0 else None,
+            "wait_ms_per_step": 1e3 * waited / len(decode) if decode else None,
+            "wait_cpu_ms_per_step": 1e3 * sum(s[4] for s in decode) / len(decode) if decode else None,
+            "profile": profile}
 
 
 def main() -> None:
@@ -212,7 +218,8 @@ def main() -> None:
                 "leader_over_in_process": fl["leader_step_s"] / loc["step_s"],
                 "interval_over_in_process": fl["leader_interval_s"] / loc["step_s"],
                 "delivered_over_in_process": fl["delivered_step_s"] / loc["step_s"],
-                "wait_core_share": fl["wait_core_share"],
+                "wait_core_share": fl["wait_core_share"], "wait_ms_per_step": fl["wait_ms_per_step"],
+                "wait_cpu_ms_per_step": fl["wait_cpu_ms_per_step"],
                 "leader_steps": fl["leader_steps"], "other_steps": fl["other_steps"]})
     ray.shutdown()
     for tag, prof in profiles.items():

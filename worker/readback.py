@@ -82,11 +82,11 @@ class TokenReadback:
             copy.spinning.synchronize()
         else:
             copy.sleeping.synchronize()
-        end = time.perf_counter()
+        end, cpu_end = time.perf_counter(), time.thread_time()  # the wait's CPU, not the lists' below
         if newest:
             self._expected[copy.key] = next_expected(expected, end - copy.launched, overslept)
         logprobs = copy.logprobs.tolist() if copy.logprobs is not None else None
-        return copy.tokens.tolist(), logprobs, end - begin, time.thread_time() - cpu
+        return copy.tokens.tolist(), logprobs, end - begin, cpu_end - cpu
 
 
 def next_expected(expected: float | None, took: float, overslept: bool) -> float:
