@@ -11,8 +11,7 @@
    (what the KV cache must leave room for); ``held``: what it still reserves after the prefill
    (what a serving process keeps); ``pool``: the graph pool's share of that.
 3. Warm-ups inside the graph pool (``graphs.warm_up_in_pool``, the default) beside warm-ups
-   outside it, for breakable and full at the chunk size; ``segment``: warm-ups in the pool and
-   ``graphs.pool_segment`` (one pool segment of the largest shape's live peak before its capture).
+   outside it, for breakable and full at the chunk size.
 4. The serving process's view (``decode`` column): every server also decodes. ``eager``: after the
    prefill, one eager decode step at the largest decode batch; ``graphs``: full decode graphs
    (the default ladder up to ``--decode-batch``) captured after the prefill graphs into the same
@@ -64,7 +63,7 @@ def outside_pool_sites(pool: tuple | None, top: int = 8) -> list[tuple[str, int]
 
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
-        decode: str = "-", decode_batch: int = 256, explain: bool = False, pool_segment: bool = False) -> dict:
+        decode: str = "-", decode_batch: int = 256, explain: bool = False) -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
     with ``decode``, capture decode graphs and run one decode step at ``decode_batch``)."""
     from graphs.backends import create_backend
@@ -97,8 +96,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
             ModelPrefillStep(model, attention, breakable=backend == "breakable")
-        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         pool_segment=pool_segment),
+        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
                                     default_prefill_ladder(ceiling),
                                     max(1, chunk // 512), 2.0, None, torch.bfloat16)
         start = time.perf_counter()
@@ -155,7 +153,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites,
-            "warm_up": ("segment" if pool_segment else "pool" if warm_up_in_pool else "outside") if runner else None,
+            "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
             "shapes": len(runner.ladder) if runner else 0,
@@ -169,7 +167,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--only", help="comma-separated configurations backend:ceiling:warm_up[:decode] (warm_up: "
-                    "pool, outside or segment; decode: -, eager or graphs; e.g. none:none:-,full:8192:segment:graphs); "
+                    "pool or outside; decode: -, eager or graphs; e.g. none:none:-,full:8192:pool:graphs); "
                     "default: all")
     ap.add_argument("--decode-batch", type=int, default=256, help="largest decode batch (decode rows)")
     ap.add_argument("--no-decode", action="store_true", help="leave out the rows with decode")
@@ -181,18 +179,16 @@ def main() -> None:
     if args.one:
         backend, ceiling, warm_up, decode = (args.one.split(":") + ["-"])[:4]
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
-                             warm_up in ("pool", "segment"), decode, args.decode_batch, args.explain,
-                             warm_up == "segment")))
+                             warm_up == "pool", decode, args.decode_batch, args.explain)))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
     runs = [("none", "none", "-", "-")] + [(b, chunk, "pool", "-") for b in ("breakable", "full", "tc_piecewise")] + \
         [(b, chunk, "outside", "-") for b in ("breakable", "full")] + \
         [("breakable", str(args.chunk * f // 4), "pool", "-") for f in (1, 2)]
-    runs += [(b, chunk, "segment", "-") for b in ("breakable", "full")]
     if not args.no_decode:
         runs += [("none", "none", "-", d) for d in ("eager", "graphs")] + \
-            [(b, chunk, w, "graphs") for b in ("breakable", "full") for w in ("pool", "segment")]
+            [(b, chunk, "pool", "graphs") for b in ("breakable", "full")]
     if args.only:
         runs = [tuple((c.split(":") + ["-"])[:4]) for c in args.only.split(",")]
     rows = []

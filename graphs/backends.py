@@ -11,12 +11,6 @@ blocks it cached are given back before the capture grows the pool. Every later w
 inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never
 hold an activation peak beside the graphs; one that leaves anything allocated there raises
 :class:`WarmUpLeakError`, since a later replay would overwrite it.
-
-Pool segment (``pool_segment``, experimental): the first capture's warm-up also measures the
-shape's live activation peak (allocated bytes, less what stays allocated, such as the cuBLAS
-workspace), and :func:`graphs.process.reserve_pool_block` makes one free pool block of that size
-before the capture, which then carves its activations from it. Measuring resets the allocator's
-peak statistics.
 """
 
 from __future__ import annotations
@@ -32,14 +26,7 @@ import torch
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.capture_failures import offending_call, root_cause, sync_is_error
 from graphs.piecewise import CompileClock, compile_clock
-from graphs.process import (
-    allocations_in_pool,
-    capture_stream,
-    graph_pool,
-    pool_usage,
-    release_warm_up_memory,
-    reserve_pool_block,
-)
+from graphs.process import allocations_in_pool, capture_stream, graph_pool, pool_usage, release_warm_up_memory
 
 
 @dataclass
@@ -69,15 +56,13 @@ class GraphBackend(ABC):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True, pool_segment: bool = False) -> None:
+                 warm_up_in_pool: bool = True) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
         self._pool = pool
         self.warm_up_in_pool = warm_up_in_pool
-        self.pool_segment = pool_segment
         self.shapes: dict[Hashable, CapturedShape] = {}
-        self._segment_anchor: torch.cuda.CUDAGraph | None = None  # holds the pool segment's pool
 
     @property
     def pool(self) -> tuple:
@@ -127,7 +112,6 @@ class GraphBackend(ABC):
         for shape in self.shapes.values():
             self._release(shape.artifact)
         self.shapes.clear()
-        self._segment_anchor = None
 
     @property
     def resident_bytes(self) -> int:
@@ -150,19 +134,9 @@ class GraphBackend(ABC):
         if self.device.type != "cuda":
             return 0
         if not (self.warm_up_in_pool and self.shapes):
-            measure = self.pool_segment and not self.shapes
-            if measure:
-                torch.cuda.reset_peak_memory_stats(self.device)
             self._warm_up(fn, in_pool=False)
-            # What the forward held at once beyond what it leaves allocated (workspaces it created).
-            live_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device) \
-                if measure else 0
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
-            before = self._reserved()
-            anchor = reserve_pool_block(self.pool, self.device, live_peak)  # counted in this shape's growth
-            if anchor is not None:
-                self._segment_anchor = anchor
-            return before
+            return self._reserved()
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)
         release_warm_up_memory(self.device)  # frees deferred by stream events are settled
@@ -281,8 +255,8 @@ class _CompileTimed(GraphBackend):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True, pool_segment: bool = False) -> None:
-        super().__init__(device, warmup, barrier, pool, warm_up_in_pool, pool_segment)
+                 warm_up_in_pool: bool = True) -> None:
+        super().__init__(device, warmup, barrier, pool, warm_up_in_pool)
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         self.compiles = 0
@@ -372,16 +346,16 @@ OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBac
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                   warm_up_in_pool: bool = True, pool_segment: bool = False) -> GraphBackend:
+                   warm_up_in_pool: bool = True) -> GraphBackend:
     """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` is the eager runner: no backend).
 
     Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
-    ``warm_up_in_pool``, ``pool_segment``: see the module docstring.
+    ``warm_up_in_pool``: see the module docstring.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if device.type == "cuda":
-        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool, pool_segment)
+        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool)
     if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
-    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool, pool_segment)
+    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool)

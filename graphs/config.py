@@ -107,10 +107,6 @@ class GraphsConfig(Section):
     warm_up_in_pool: each backend's warm-ups after its first capture run inside the graph pool,
         on the blocks captured graphs leave free, so capture holds no activation peak beside the
         graphs; false runs every warm-up outside the pool (graphs.backends).
-    pool_segment: before a backend's first capture, reserve one pool segment the size of that
-        shape's live activation peak (measured by its warm-up), so the capture packs its
-        activations into one block instead of one segment per size as the eager allocator does
-        (graphs.backends). Experimental: off until bench/capture.py shows it saves memory.
     """
 
     enabled: bool = True
@@ -124,7 +120,6 @@ class GraphsConfig(Section):
     replan_interval_s: float | None = None
     replan_padding_share: float = 0.1
     warm_up_in_pool: bool = True
-    pool_segment: bool = False
 
     def __post_init__(self) -> None:
         budget = self.memory_budget

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 
 import torch
 
@@ -97,37 +96,6 @@ def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Strea
         if idx not in _streams:
             _streams[idx] = torch.cuda.Stream(device=idx)
         return _streams[idx]
-
-
-def reserve_pool_block(pool: tuple, device: torch.device, nbytes: int) -> torch.cuda.CUDAGraph | None:
-    """Make one free block of ``nbytes`` in graph pool ``pool`` for the capture stream, unless the
-    pool already has that much free (``graphs.pool_segment``). The eager allocator gives an
-    activation peak one segment per size it could not fit (a freed 176 MiB MLP block carved into
-    32 MiB outputs leaves no room for the next layer's 176 MiB), and a capture into an empty pool
-    does the same; a capture that starts on one block that size carves its allocations from it
-    (later ones still grow the pool if they do not fit).
-
-    The block is allocated and freed inside the capture of an empty graph, which is returned:
-    it holds a reference to the pool, so the caller keeps it as long as it keeps the pool's
-    graphs. Hazard: routing allocations into a pool no graph holds yet and releasing it again
-    (:func:`allocations_in_pool`) leaves the pool at zero references with a segment still in it;
-    the next capture into it then fails an allocator assertion (``use_count > 0``).
-    """
-    if nbytes <= 0 or device.type != "cuda":
-        return None
-    reserved, allocated = pool_usage(pool, device)
-    if reserved - allocated >= nbytes:
-        return None
-    anchor = torch.cuda.CUDAGraph()
-    stream = capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-        with torch.cuda.graph(anchor, pool=pool, stream=stream):
-            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            del block
-    torch.cuda.synchronize(device)
-    return anchor
 
 
 def release_warm_up_memory(device: torch.device) -> None:

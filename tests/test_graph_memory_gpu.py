@@ -81,28 +81,6 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
     assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
 
 
-@pytest.mark.parametrize("backend", ["breakable", "full"])
-def test_a_pool_segment_is_counted_and_replays_stay_exact(backend, checkpoint_dir):
-    """graphs.pool_segment (experimental): the first capture's reserved segment is counted in the
-    shapes' resident bytes (the budget sees all of the pool), and replays still equal eager.
-    Prints the pool with and without the segment (bench/capture.py measures it on real models)."""
-    own, step = _prefill_step(checkpoint_dir, backend)
-    pools = {}
-    for segment in (False, True):
-        pool = torch.cuda.graph_pool_handle()
-        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, pool_segment=segment),
-                                    default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
-        _settle()
-        runner.capture_all(progress=False)
-        assert not runner.failed, runner.failed
-        pools[segment] = pool_bytes(pool)
-        assert runner.resident_bytes == pools[segment]
-        _check_replays_equal_eager(own, runner, 2)
-        runner.release()
-        del runner
-    print(f"{backend}: pool {pools[False] / 2**20:.1f} MiB, with a pool segment {pools[True] / 2**20:.1f} MiB")
-
-
 def test_a_warm_up_that_leaves_memory_in_the_pool_raises():
     """A forward that creates a buffer on a later shape's first run would have it sit on another
     graph's scratch: the capture refuses with WarmUpLeakError; outside the pool it captures."""

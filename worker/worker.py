@@ -291,8 +291,7 @@ class Worker:
 
     def _graph_backend(self, name: str, pool: tuple | None) -> GraphBackend:
         return create_backend(name, self.device, barrier=self._barrier(), pool=pool,
-                              warm_up_in_pool=self.config.graphs.warm_up_in_pool,
-                              pool_segment=self.config.graphs.pool_segment)
+                              warm_up_in_pool=self.config.graphs.warm_up_in_pool)
 
     def _build_prefill_runner(self, planner_candidates: bool, pool: tuple | None = None,
                               ) -> PrefillGraphRunner | EagerRunner:
