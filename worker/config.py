@@ -57,10 +57,15 @@ class AttentionConfig(Section):
         and copies (on the H200 at batch 64: 209 against 353-515 us of host time a step).
     fused_rope_store: flashinfer only: one Triton kernel rotates q and k and writes k and v into
         the KV cache (worker/attention/rope_store.py), instead of flashinfer's RoPE kernel and then
-        its KV append; off, or where Triton does not import, the two kernels run.
+        its KV append; off, or where Triton does not import, the two kernels run. On the H200
+        (decode-20261203T223136, context 512) the full decode graph of tinyllama-1.1b is 1.19x /
+        1.09x faster with it at batch 1 / 64, llama-3-8b's 1.01x.
     decode_graph_split_kv: flashinfer only: captured decode shapes split each row's KV and merge
-        the parts (flashinfer's graph mode; any context length is fast); off, one CTA reads a
-        row's whole KV with no merge kernel (faster at short contexts, slow at long ones).
+        the parts (flashinfer's graph mode: a long row is spread over many CTAs); off, one CTA per
+        head group reads a row's whole KV and no merge kernel runs. Measured at context 512
+        (decode-20261203T223136, -223909): off is 2-3.5% faster at batch 64 and 256 and 1-4% slower
+        at 1-16. It stays on: off, one long row in a batch of short ones is read by a few CTAs
+        while the rest of the GPU idles.
     """
 
     backend: AttentionBackend = "auto"
