@@ -20,6 +20,10 @@ loop (every 5 ms), so its reports come several steps at a time.
   its reports sent by a real ``ReportServer`` to a ``ReportReader`` in another process (the fleet's
   end), which unpickles them and counts tokens; timed from the first token event to the last.
 
+``--switch-interval-ms`` (default Python's 5) runs the group at each of several
+``sys.setswitchinterval`` values, interleaved in one run: how long the loop may wait for the GIL
+while the report link's thread pickles (the engine alone has one thread and is unaffected).
+
 Per decode step in microseconds, and their ratio. The model is loaded on the CPU for its geometry
 only, so any machine runs it the same way: ``python bench/leader_loop.py``.
 """
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode (the median is reported)")
     ap.add_argument("--device-ms", default="0,1.0",
                     help="comma-separated stand-in device step times (0: none; see HostOnlyExecutor)")
+    ap.add_argument("--switch-interval-ms", default="5",
+                    help="comma-separated sys.setswitchinterval values for the group runs (ms)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     args = ap.parse_args(argv)
 
@@ -148,22 +154,34 @@ def main(argv: list[str] | None = None) -> None:
     worker = Worker.local(cfg)  # its geometry only: the executor answers without it
     prompts = _prompts(B, args.prompt_len, worker.arch.vocab_size)
 
+    intervals = [float(x) for x in args.switch_interval_ms.split(",")]
+    default_interval = sys.getswitchinterval()
     rows = []
     for device_ms in [float(x) for x in args.device_ms.split(",")]:
-        engine_us, group_us, reports = [], [], []
-        for _ in range(args.repeats):  # interleaved, so drift on a busy host hits both alike
+        engine_us: list[float] = []
+        group_us: dict[float, list[float]] = {i: [] for i in intervals}
+        reports: dict[float, list[int]] = {i: [] for i in intervals}
+        for _ in range(args.repeats):  # interleaved, so drift on a busy host hits every mode alike
             seconds, steps = time_engine(cfg, worker, prompts, args.tokens, device_ms / 1e3)
             engine_us.append(seconds / steps * 1e6)
-            seconds, steps, n = time_group(cfg, worker, prompts, args.tokens, device_ms / 1e3)
-            group_us.append(seconds / steps * 1e6)
-            reports.append(n)
-        engine, group = sorted(engine_us)[len(engine_us) // 2], sorted(group_us)[len(group_us) // 2]
-        rows.append({"device_ms": device_ms, "engine_us": engine, "group_us": group,
-                     "group_over_engine": group / engine, "engine_runs_us": [round(x) for x in engine_us],
-                     "group_runs_us": [round(x) for x in group_us],
-                     "reports": reports})
+            for interval in intervals:
+                sys.setswitchinterval(interval / 1e3)
+                try:
+                    seconds, steps, n = time_group(cfg, worker, prompts, args.tokens, device_ms / 1e3)
+                finally:
+                    sys.setswitchinterval(default_interval)
+                group_us[interval].append(seconds / steps * 1e6)
+                reports[interval].append(n)
+        engine = sorted(engine_us)[len(engine_us) // 2]
+        for interval in intervals:
+            group = sorted(group_us[interval])[len(group_us[interval]) // 2]
+            rows.append({"device_ms": device_ms, "switch_interval_ms": interval, "engine_us": engine,
+                         "group_us": group, "group_over_engine": group / engine,
+                         "engine_runs_us": [round(x) for x in engine_us],
+                         "group_runs_us": [round(x) for x in group_us[interval]], "reports": reports[interval]})
     print(f"{args.preset}, batch {B}, prompt {args.prompt_len}, {args.tokens} tokens each, host-only executor")
-    print_table(rows, ["device_ms", "engine_us", "group_us", "group_over_engine", "engine_runs_us", "group_runs_us",
+    print_table(rows, ["device_ms", "switch_interval_ms", "engine_us", "group_us", "group_over_engine",
+                       "engine_runs_us", "group_runs_us",
                        "reports"])
     out = write_results("leader_loop", {"env": environment(), "args": vars(args), "rows": rows})
     print(f"wrote {out}")
