@@ -98,7 +98,7 @@ class Setup:
         self.attention = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
                                                   self.pages_per_row, fast_decode_plan=True, fused_rope_store=True)
         self.two_kernel = self.no_split = None
-        if getattr(self.attention, "_rope_store", None) is not None:
+        if getattr(self.attention, "fused_rope_store", False):
             self.two_kernel = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
                                                        self.pages_per_row, fast_decode_plan=True)
         if attention == "flashinfer":  # decode graphs without flashinfer's KV split and merge kernel

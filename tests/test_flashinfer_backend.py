@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.base import AttentionBatch, AttentionShape, kv_write_locations
-from worker.attention.flashinfer_backend import INSTALL_HINT, FlashInferBackend, build_metadata
+from worker.attention.flashinfer_backend import INSTALL_HINT, FlashInferBackend
+from worker.attention.flashinfer_metadata import build_metadata
 from worker.kv_cache import KVCacheShape, PagedKVCache
 
 PAGE = 16

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from worker.attention.base import AttentionBatch, kv_write_locations
-from worker.attention.flashinfer_backend import build_metadata
+from worker.attention.flashinfer_metadata import build_metadata
 from worker.kv_cache import PagedKVCache
 from worker.page_table import PageRows, PageTable
 

@@ -168,7 +168,7 @@ def test_gpu_model_with_the_fused_kernel_equals_the_two_kernel_path(preset, chec
     for fused in (False, True):
         own = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend="flashinfer",
                        kernels=select_kernels(CUDA), fused_rope_store=fused)
-        assert (own.attention._rope_store is not None) == fused
+        assert own.attention.fused_rope_store == fused
         reqs = [own.new_request(p, i) for i, p in enumerate(prompts)]
         logits = [own.step(reqs, [len(p) for p in prompts], is_prefill=True)]
         last = [logits[0][e - 1] for e in torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()]

@@ -216,22 +216,20 @@ class AttentionBackend(ABC):
         """:meth:`run` of ``q`` and ``k`` rotated by ``rope``: ``q`` (tokens, Hq*D), ``k`` and ``v``
         (tokens, Hk*D), strided row views allowed; returns (tokens, Hq, D). ``q`` and ``k`` may be
         rotated in place (callers never reuse their old values)."""
-        tokens = q.shape[0]
         q = self.store_rotated(layer, rope, q, k, v)
-        q = q.view(tokens, self.shape.num_q_heads, self.shape.head_dim)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.attend(layer, q, out)
         return out
 
     def store_rotated(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
-        """Rotate ``q`` and ``k`` by ``rope``, store ``k, v`` and return the rotated ``q`` (shapes as in
-        :meth:`run_with_rope`). Here: the model's RoPE kernel, then :meth:`store`; a backend with
-        one kernel for both overrides it (graph-safe either way)."""
+        """Rotate ``q`` and ``k`` by ``rope``, store ``k, v`` and return the rotated ``q`` as (tokens,
+        Hq, D) (inputs as in :meth:`run_with_rope`). Here: the model's RoPE kernel, then
+        :meth:`store`; a backend with one kernel for both overrides it (graph-safe either way)."""
         q, k = rope.rotate(q, k)
-        tokens, heads, d = q.shape[0], self.shape.num_kv_heads, self.shape.head_dim
-        self.store(layer, k.view(tokens, heads, d), v.view(tokens, heads, d))
-        return q
+        tokens, s = q.shape[0], self.shape
+        self.store(layer, k.view(tokens, s.num_kv_heads, s.head_dim), v.view(tokens, s.num_kv_heads, s.head_dim))
+        return q.view(tokens, s.num_q_heads, s.head_dim)
 
     @abstractmethod
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

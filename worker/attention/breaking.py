@@ -34,8 +34,7 @@ class BreakingAttention:
         return out
 
     def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        s = self.backend.shape
-        q = self.backend.store_rotated(layer, rope, q, k, v).view(q.shape[0], s.num_q_heads, s.head_dim)
+        q = self.backend.store_rotated(layer, rope, q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _attention_break(self.backend, layer, q, out)
         return out

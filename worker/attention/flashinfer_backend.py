@@ -46,20 +46,14 @@ shape (40 prefill shapes: 320 MiB). ``plan`` and ``run``/replay must be issued o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from worker.attention.base import (
-    AttentionBackend,
-    AttentionBatch,
-    AttentionShape,
-    Rope,
-    locations_of,
-    row_geometry,
-)
+from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, Rope
+from worker.attention.flashinfer_metadata import build_metadata
 from worker.kv_cache import PagedKVCache
 
 INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own default for a wrapper's int workspace
@@ -75,45 +69,14 @@ def _import_flashinfer() -> Any:
     return flashinfer
 
 
-def rope_store_applies(head_dim: int) -> bool:
-    """Whether Triton imports and the fused RoPE + KV-write kernel serves ``head_dim``."""
+def _fused_rope_store(head_dim: int) -> Callable[..., None] | None:
+    """The fused RoPE + KV-write launch (:func:`worker.attention.rope_store.launch`) when Triton
+    imports and the kernel serves ``head_dim``; else None (the two-kernel path serves)."""
     try:
-        from worker.attention.rope_store import supports
-    except Exception:  # noqa: BLE001 - no Triton (or a broken one): the two-kernel path serves
-        return False
-    return supports(head_dim)
-
-
-def _import_rope_store() -> Any:
-    from worker.attention.rope_store import rope_and_store
-
-    return rope_and_store
-
-
-def build_metadata(batch: AttentionBatch, page_size: int
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Host-side flashinfer CSR metadata for ``batch``, as int64 arrays (``indices`` int32).
-
-    Returns ``(qo_indptr, kv_indptr, last_page_len, indices, locations)``. A row with ``seq_len=0``
-    (prefill sentinel) gets zero pages and ``last_page_len=0``, which flashinfer reads as an
-    empty request both on the host (``get_seq_lens``) and in its kernels; otherwise
-    ``1 <= last_page_len <= page_size``.
-    """
-    seq, q, need = row_geometry(batch, page_size)
-    rows = batch.page_tables
-    qo = np.zeros(len(seq) + 1, dtype=np.int64)
-    kv = np.zeros(len(seq) + 1, dtype=np.int64)
-    np.cumsum(q, out=qo[1:])
-    np.cumsum(need, out=kv[1:])
-    last = seq - (need - 1) * page_size
-    last[need == 0] = 0
-    # row_geometry checked every row holds at least the pages it needs, so equal totals mean the
-    # pages cover exactly the tokens (the usual case): the rows' indices serve as they are.
-    if kv[-1] == len(rows.indices):
-        indices = rows.indices
-    else:  # only the pages covering seq_len
-        indices = rows.indices[np.repeat(rows.indptr[:-1] - kv[:-1], need) + np.arange(kv[-1], dtype=np.int64)]
-    return qo, kv, last, indices, locations_of(rows, seq, q, page_size, batch.num_tokens)
+        from worker.attention.rope_store import launch, supports
+    except Exception:  # noqa: BLE001 - no Triton (or a broken one)
+        return None
+    return launch if supports(head_dim) else None
 
 
 def _fast_plan_applies(wrapper: Any) -> bool:
@@ -170,7 +133,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_use_tensor_cores = decode_use_tensor_cores
         self.fast_decode_plan = fast_decode_plan
         self.decode_graph_split_kv = decode_graph_split_kv
-        self._rope_store = _import_rope_store() if fused_rope_store and rope_store_applies(shape.head_dim) else None
+        self._rope_store = _fused_rope_store(shape.head_dim) if fused_rope_store else None
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
         # The prefill capacity plan (see graph_wrapper) puts all tokens of a shape in one row.
@@ -376,18 +339,28 @@ class FlashInferBackend(AttentionBackend):
             rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
             False, -1, -1, not self.decode_graph_split_kv, 0, 0)
 
+    @property
+    def fused_rope_store(self) -> bool:
+        """Whether RoPE and the KV write run as one kernel (asked for, Triton present, head_dim served)."""
+        return self._rope_store is not None
+
     def store_rotated(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
         """With ``fused_rope_store``: one Triton kernel rotates ``q`` in place and writes rotated ``k``
         and ``v`` at the planned locations (graph-safe). Under ``torch.compile`` tracing, or without
-        it, RoPE and the append run as two kernels (:meth:`AttentionBackend.store_rotated`)."""
+        it, RoPE and the append run as two kernels (:meth:`AttentionBackend.store_rotated`).
+
+        The launch is unchecked: the cache's geometry was checked at construction, and the model
+        hands row views of its fused QKV output with a contiguous last dim and its float32 cos/sin
+        table (``rope_store.rope_and_store`` checks all of it, for callers that are not the model).
+        """
         if self._rope_store is None or torch.compiler.is_compiling():
             return super().store_rotated(layer, rope, q, k, v)
         tokens = q.shape[0]
         if tokens != self._num_tokens:
             raise RuntimeError(f"store_rotated() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
-        return self._rope_store(q, k, v, rope.positions, rope.cos_sin_cache, self.kv_cache.layer(layer),
-                                self.locations)
+        self._rope_store(q, k, v, rope.positions, rope.cos_sin_cache, self.kv_cache.layer(layer), self.locations)
+        return q.view(tokens, self.shape.num_q_heads, self.shape.head_dim)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v`` at the planned locations (one fused kernel; graph-safe)."""

@@ -84,7 +84,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
 
     ``q``, ``k`` and ``v`` may be strided row views (of a fused QKV output) with a contiguous last
     dim; ``k`` and ``v`` are only read. ``positions`` and ``locations`` hold one entry per token
-    (int32 or int64). Graph-safe: one launch, no allocation, no host sync.
+    (int32 or int64). Graph-safe: one launch, no allocation, no host sync. Checks every input and
+    names what does not fit, then :func:`launch`.
     """
     tokens = q.shape[0]
     _, two, page_size, kv_heads, head_dim = cache.shape
@@ -103,12 +104,21 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                          f"({locations.shape[0]})")
     if len({x.device for x in (q, k, v, positions, locations, cos_sin_cache, cache)}) != 1:
         raise ValueError("q, k, v, positions, locations, cos_sin_cache and the cache must share one device")
+    launch(q, k, v, positions, cos_sin_cache, cache, locations)
+    return q
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+           cos_sin_cache: torch.Tensor, cache: torch.Tensor, locations: torch.Tensor) -> None:
+    """:func:`rope_and_store` without its checks, for a caller whose inputs hold them by construction
+    (the flashinfer backend on the step path: no Python checks per layer and step)."""
+    tokens = q.shape[0]
     if tokens == 0:
-        return q
+        return
+    _, _, page_size, kv_heads, head_dim = cache.shape
     q_heads = q.shape[1] // head_dim
     kernel = _rope_store_kernel if q.device.type == "cuda" else _interpreted()
     kernel[(tokens,)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, locations, cos_sin_cache, cache,
         NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, BLOCK_Q=triton.next_power_of_2(q_heads),
         BLOCK_KV=triton.next_power_of_2(kv_heads), HALF=head_dim // 2, PAGE_SIZE=page_size)
-    return q

@@ -1,0 +1,34 @@
+"""flashinfer's host-side CSR metadata of one step: what :class:`worker.attention.flashinfer_backend.
+FlashInferBackend` writes into its pinned host twin before each ``plan``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from worker.attention.base import AttentionBatch, locations_of, row_geometry
+
+
+def build_metadata(batch: AttentionBatch, page_size: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Host-side flashinfer CSR metadata for ``batch``, as int64 arrays (``indices`` int32).
+
+    Returns ``(qo_indptr, kv_indptr, last_page_len, indices, locations)``. A row with ``seq_len=0``
+    (prefill sentinel) gets zero pages and ``last_page_len=0``, which flashinfer reads as an
+    empty request both on the host (``get_seq_lens``) and in its kernels; otherwise
+    ``1 <= last_page_len <= page_size``.
+    """
+    seq, q, need = row_geometry(batch, page_size)
+    rows = batch.page_tables
+    qo = np.zeros(len(seq) + 1, dtype=np.int64)
+    kv = np.zeros(len(seq) + 1, dtype=np.int64)
+    np.cumsum(q, out=qo[1:])
+    np.cumsum(need, out=kv[1:])
+    last = seq - (need - 1) * page_size
+    last[need == 0] = 0
+    # row_geometry checked every row holds at least the pages it needs, so equal totals mean the
+    # pages cover exactly the tokens (the usual case): the rows' indices serve as they are.
+    if kv[-1] == len(rows.indices):
+        indices = rows.indices
+    else:  # only the pages covering seq_len
+        indices = rows.indices[np.repeat(rows.indptr[:-1] - kv[:-1], need) + np.arange(kv[-1], dtype=np.int64)]
+    return qo, kv, last, indices, locations_of(rows, seq, q, page_size, batch.num_tokens)
