@@ -14,8 +14,11 @@ the same batch through Serve (steady-state decode tokens/s of both, and their ra
 side runs ``--compare-repeats`` times, fresh prompts each, and reports the median (min, max) with
 each run's window diagnostics (:func:`bench.serve_load.window_diagnostics`).
 
-GPU machine: ``PYTHONPATH=/tmp/site:. python3 bench/serve.py`` (add ``--mode disaggregated`` with
-two GPUs). Here, on CPU: ``python bench/serve.py --quick`` (tiny-llama, a few prompts).
+GPU machine: ``PYTHONPATH=/tmp/site:. python3 bench/serve.py`` (``--mode disaggregated``: with fewer
+GPUs than the two groups' ranks, each rank gets a share of one, ``cluster.gpus_per_rank=0.5`` and
+``cache.gpu_memory_fraction=0.4`` on one GPU, unless ``--set`` says otherwise; a group of the started
+app that waits more than ``--placement-timeout-s`` for resources ends the run with what it asked for).
+Here, on CPU: ``python bench/serve.py --quick`` (tiny-llama, a few prompts).
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ def _health_body(body: str) -> dict:
     return parsed if isinstance(parsed, dict) else {"body": parsed}
 
 
-def wait_healthy(base: str, timeout_s: float) -> dict:
+def wait_healthy(base: str, timeout_s: float, placement_timeout_s: float | None = None) -> dict:
     """``/health`` once it answers 200 (the fleet is up, or a peer server is); raises with the last
-    answer after ``timeout_s``."""
+    answer after ``timeout_s``, or as soon as a group of ours has waited longer than
+    ``placement_timeout_s`` for resources (the local cluster a bench starts never grows)."""
     end, last, shown = time.monotonic() + timeout_s, None, None
     while time.monotonic() < end:
         try:
@@ -83,8 +87,44 @@ def wait_healthy(base: str, timeout_s: float) -> dict:
         if last is not None and str(last) != shown:
             print(f"waiting for the fleet: {last}", flush=True)
             shown = str(last)
+        if placement_timeout_s is not None and isinstance(last, str):
+            stuck = placement_stuck(_health_body(last), placement_timeout_s)
+            if stuck:
+                raise SystemExit(stuck)
         time.sleep(0.5)
     raise SystemExit(f"not healthy after {timeout_s:g}s: {last}")
+
+
+def placement_stuck(health: dict, timeout_s: float) -> str | None:
+    """Why the fleet behind ``health`` (a 503 ``/health`` body) cannot start: a group that has waited
+    more than ``timeout_s`` for resources, what it asked and what is free; None if none has."""
+    waiting = health.get("waiting") or {}
+    for gid, w in sorted(waiting.items()):
+        if isinstance(w, dict) and float(w.get("waiting_s", 0.0)) > timeout_s:
+            asked = w.get("asked", {})
+            return (f"group {gid} has waited {w['waiting_s']}s for resources ({asked.get('count')} x "
+                    f"{asked.get('bundle')} asked, {w.get('available')} free): this cluster cannot place it. "
+                    "On one GPU, share it: --set cluster.gpus_per_rank=0.5 --set cache.gpu_memory_fraction=0.4")
+    return None
+
+
+def gpu_sharing_overrides(mode: str, gpus: int, overrides: list[str]) -> list[str]:
+    """Overrides that let a disaggregated fleet (a prefill and a decode group) fit ``gpus`` visible
+    GPUs when its ranks outnumber them: each rank takes a share of a GPU (``cluster.gpus_per_rank``)
+    and, unless set, that share of its memory (``cache.gpu_memory_fraction``, 0.8 of the share).
+    Nothing when the mode is colocated, there is no GPU, the GPUs suffice, or the user set the share."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if mode != "disaggregated" or gpus < 1 or "cluster.gpus_per_rank" in keys:
+        return []
+    tp = next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith("cluster.tp_size=")), 1)
+    ranks = 2 * tp
+    if gpus >= ranks:
+        return []
+    share = gpus / ranks
+    extra = [f"cluster.gpus_per_rank={share:g}"]
+    if "cache.gpu_memory_fraction" not in keys:
+        extra.append(f"cache.gpu_memory_fraction={0.8 * share:g}")
+    return extra
 
 
 def decode_passes(base: str) -> tuple[dict[str, float], dict[str, float]]:
@@ -295,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Serve side runs of --compare, back to back (fresh prompts each); the median is reported")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
     ap.add_argument("--start-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--placement-timeout-s", type=float, default=120.0,
+                    help="give up when a group of a started app waits longer than this for resources")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--direct-ingress", action="store_true",
                     help="clients talk to the ingress replica's own HTTP server, not through Serve's proxy")
@@ -313,6 +355,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     overrides = ([] if torch.cuda.is_available() else list(CPU_OVERRIDES)) + [f"cluster.mode={args.mode}", *args.set]
+    sharing = [] if args.url else gpu_sharing_overrides(args.mode, torch.cuda.device_count(), overrides)
+    if sharing:
+        print(f"{torch.cuda.device_count()} GPU(s) for the {args.mode} fleet's ranks: adding {' '.join(sharing)}")
+        overrides += sharing
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     path = None if args.url else ensure_checkpoint(args.preset, Path(args.checkpoints))
     vocab = args.vocab_size or (json.loads((path / "config.json").read_text())["vocab_size"] if path else 1000)
@@ -327,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
                    "in_process_context": context}
     base = args.url.rstrip("/") if args.url else start_app(path, overrides, args.preset,
                                                            direct_ingress=args.direct_ingress)
-    health = wait_healthy(base, args.start_timeout_s)
+    health = wait_healthy(base, args.start_timeout_s, None if args.url else args.placement_timeout_s)
     card = json.loads(_get(f"{base}/v1/models", headers)[1])["data"][0]
     model = card["id"]
     warm = random_prompts(args.warmup, args.input_len, vocab, args.seed + 1)

@@ -17,8 +17,10 @@ from bench.serve import (
     aggregate_compare,
     capped_compare_tokens,
     gc_pause_totals,
+    gpu_sharing_overrides,
     model_max_len,
     parse_args,
+    placement_stuck,
     wait_healthy,
 )
 from bench.serve_load import ClientCpu, RequestRecord, run_load, steady_decode_rate, window_diagnostics
@@ -63,6 +65,50 @@ def test_wait_healthy_gives_up_naming_the_last_answer():
             wait_healthy(base, timeout_s=1)
     finally:
         httpd.shutdown()
+
+
+def _waiting_body(waited_s: float) -> bytes:
+    return json.dumps({"status": "starting", "groups": {"bench-d0": "starting", "bench-p0": "ready"},
+                       "waiting": {"bench-d0": {"state": "waiting for resources",
+                                                "asked": {"bundle": {"GPU": 1.0}, "count": 1},
+                                                "available": {"GPU": 0.0}, "waiting_s": waited_s}}}).encode()
+
+
+def test_wait_healthy_gives_up_on_a_group_the_cluster_cannot_place():
+    httpd, base = _server([(503, _waiting_body(3.0)), (503, _waiting_body(130.5))])
+    try:
+        start = time.monotonic()
+        with pytest.raises(SystemExit, match=r"bench-d0 has waited 130.5s for resources \(1 x \{'GPU': 1.0\} "
+                                             r"asked, \{'GPU': 0.0\} free\).*gpus_per_rank=0.5"):
+            wait_healthy(base, timeout_s=60, placement_timeout_s=120)
+        assert time.monotonic() - start < 30
+    finally:
+        httpd.shutdown()
+
+
+def test_a_short_placement_wait_or_an_attached_server_keeps_waiting():
+    assert placement_stuck(json.loads(_waiting_body(119.0)), 120) is None
+    assert placement_stuck({"status": "starting"}, 120) is None
+    httpd, base = _server([(503, _waiting_body(500.0))])
+    try:  # no placement timeout (``--url``): the overall timeout decides
+        with pytest.raises(SystemExit, match="not healthy after 1s"):
+            wait_healthy(base, timeout_s=1)
+    finally:
+        httpd.shutdown()
+
+
+@pytest.mark.parametrize("mode, gpus, overrides, expected", [
+    ("disaggregated", 1, ["cluster.mode=disaggregated"],
+     ["cluster.gpus_per_rank=0.5", "cache.gpu_memory_fraction=0.4"]),
+    ("disaggregated", 2, ["cluster.tp_size=2"], ["cluster.gpus_per_rank=0.5", "cache.gpu_memory_fraction=0.4"]),
+    ("disaggregated", 1, ["cache.gpu_memory_fraction=0.3"], ["cluster.gpus_per_rank=0.5"]),
+    ("disaggregated", 1, ["cluster.gpus_per_rank=0.25"], []),  # the user's share stands
+    ("disaggregated", 2, [], []),  # one GPU a rank
+    ("disaggregated", 0, [], []),  # CPU ranks reserve CPUs
+    ("colocated", 1, [], []),
+])
+def test_gpu_sharing_overrides_fit_a_disaggregated_fleet_on_fewer_gpus(mode, gpus, overrides, expected):
+    assert gpu_sharing_overrides(mode, gpus, overrides) == expected
 
 
 def _rec(times: list[float], counts: list[int] | None = None, sent: float = 0.0) -> RequestRecord:
