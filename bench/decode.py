@@ -131,7 +131,7 @@ def ours(setup: Setup, batches: list[int], repeats: int) -> tuple[dict, dict]:
 
         def eager():
             setup.attention.plan(live.attention)
-            return eager_step.forward(live.input_ids, live.positions)
+            return eager_step.forward(live.input_ids, live.positions).float()  # float32, as the engine
 
         rows[("eager", b)] = timed(eager, repeats)
     memory = {}

@@ -35,7 +35,8 @@ class DecodeStep(Protocol):
         """Host side: plan ``rows`` padding rows (for warm-up and capture)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Device side, graph-safe: (rows,) ids and positions -> (rows, vocab) float32 logits."""
+        """Device side, graph-safe: (rows,) ids and positions -> (rows, vocab) logits, float32 or a
+        narrower float type that the runner's float32 output holds exactly (its copy is the cast)."""
 
 
 @dataclass

@@ -65,6 +65,26 @@ def _debug_runner(own, ladder, padding=True, metrics=None):
     return runner
 
 
+def test_bf16_decode_logits_reach_the_float32_output_through_the_copy_alone(checkpoint_dir):
+    """The decode step hands the runner logits in the model's dtype and the runner's copy into its
+    float32 output is the cast: the same values as the eager path's float32 logits, bit for bit."""
+    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, num_pages=256)
+    fill_cache_randomly(own)
+    runner = _debug_runner(own, [1, 2, 4, 8])
+    rng = random.Random(3)
+    for n in (1, 3, 8):
+        batch = random_decode_batch(own, rng, n, 40)
+        ids, pos = batch.live.input_ids, batch.live.positions
+        own.attention.plan(batch.live.attention)
+        raw = runner.step.forward(ids, pos)
+        assert raw.dtype == torch.bfloat16 and runner.buffers.logits.dtype == torch.float32
+        hidden = own.model(ids, pos, own.attention)
+        assert own.model.compute_logits(hidden).dtype == torch.float32
+        assert torch.equal(own.model.compute_logits(hidden, dtype=None).float(), own.model.compute_logits(hidden))
+        if n in runner.ladder:  # no padding rows: the replay equals the eager float32 logits exactly
+            assert torch.equal(runner.execute(batch.live, runner.decide(batch.live)), eager_logits(own, batch))
+
+
 def test_runner_reasons_match_bucket_rules_and_capture_state(own):
     ladder = [1, 2, 4, 8]
     runner = _debug_runner(own, ladder)

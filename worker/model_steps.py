@@ -48,8 +48,10 @@ class ModelDecodeStep(_ModelStep):
         self.attention.plan(AttentionBatch.decode([], []), rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: the runner's copy into its float32 output is the cast (one
+        kernel, no float32 intermediate in the graph pool)."""
         hidden = self.model(input_ids, positions, self._forward_attention)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, dtype=None)
 
 
 class ModelPrefillStep(_ModelStep):

@@ -132,7 +132,9 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (float32) with this weight as the LM head."""
-        local = F.linear(hidden, self.weight).float()
-        return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Full-vocabulary logits with this weight as the LM head, in ``dtype`` (None: the weight's,
+        as the GEMM rounds them; a later cast to float32 gives the same values as ``dtype=float32``).
+        Shards are gathered before the cast, in the narrower dtype."""
+        full = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))[..., : self.vocab_size]
+        return full if dtype is None or full.dtype == dtype else full.to(dtype)

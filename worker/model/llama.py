@@ -156,5 +156,6 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits of ``hidden``'s rows in ``dtype`` (None: the model's dtype; see ``VocabParallelEmbedding.logits``)."""
+        return self.lm_head.logits(hidden, dtype)
