@@ -31,6 +31,10 @@ The attention backend is built as the engine builds it (fast decode plan, fused 
 ``full_two_kernel`` is the same full graph with RoPE and the KV append as two kernels, timed in the
 same run (``two_kernel_over_fused`` above 1: the fused kernel is faster); ``full_no_split`` is the
 full graph with ``attention.decode_graph_split_kv`` off (no KV split, no merge kernel).
+``--tc-full`` adds ``tc_full`` (``graphs.decode.backend=tc_full``: the forward under torch.compile,
+attention an opaque op, one full graph a shape; ``tc_full_over_full`` below 1: it is faster), with
+its compile and capture seconds apart in ``graph_memory`` (a failed compile is its
+``compile_error`` there and no rows).
 
 GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
 --presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
@@ -61,7 +65,7 @@ from worker.attention.factory import create_attention_backend  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
-from worker.model_steps import ModelDecodeStep  # noqa: E402
+from worker.model_steps import CompiledDecodeStep, ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
 PEERS = ("ours_compile", "hf", "hf_compile", "vllm")  # the order they run in
@@ -123,7 +127,7 @@ class Setup:
         return weights + b * (self.context + 1) * per_token
 
 
-def ours(setup: Setup, batches: list[int], repeats: int) -> tuple[dict, dict]:
+def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) -> tuple[dict, dict]:
     rows: dict[tuple[str, int], float] = {}
     eager_step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     for b in batches:
@@ -140,13 +144,26 @@ def ours(setup: Setup, batches: list[int], repeats: int) -> tuple[dict, dict]:
         variants.append(("full_two_kernel", setup.two_kernel))
     if setup.no_split is not None:
         variants.append(("full_no_split", setup.no_split))
+    if tc_full:
+        variants.append(("tc_full", setup.attention))
     for name, attention in variants:
-        step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
-        runner = DecodeGraphRunner(step, create_backend(name.split("_")[0], CUDA), batches)
+        if name == "tc_full":  # graphs.decode.backend=tc_full: the compiled forward, one full graph a shape
+            step = CompiledDecodeStep(setup.model, attention)
+            backend = create_backend("tc_full", CUDA)
+        else:
+            step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
+            backend = create_backend(name.split("_")[0], CUDA)
+        runner = DecodeGraphRunner(step, backend, batches)
         summary = runner.capture_all(progress=False)
         if runner.failed:
             raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
         memory[name] = {"capture_s": summary.seconds, "bytes": summary.resident_bytes}
+        if name == "tc_full":
+            memory[name].update(compile_s=backend.compile_seconds, capture_only_s=backend.capture_seconds,
+                                compiles=backend.compiles, compile_error=step.compile_error)
+            if step.compile_error:  # it fell back to the plain forward: no tc_full numbers
+                runner.release()
+                continue
         for b in batches:
             live = setup.batch(b)
             choice = runner.decide(live)
@@ -228,6 +245,9 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
         if ("full_no_split", b) in rows:  # decode graphs without the KV split and merge kernel
             r["full_no_split_ms"] = rows[("full_no_split", b)] * 1e3
             r["no_split_over_full"] = rows[("full_no_split", b)] / full
+        if ("tc_full", b) in rows:  # the torch.compile'd forward in one full graph a shape
+            r["tc_full_ms"] = rows[("tc_full", b)] * 1e3
+            r["tc_full_over_full"] = rows[("tc_full", b)] / full
         for peer, res in peers.items():
             step, error = step_or_error(res, b)
             r[PEER_COLUMNS[peer]] = step * 1e3 if step is not None else None
@@ -260,6 +280,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "torch"])
+    ap.add_argument("--tc-full", action="store_true",
+                    help="also time graphs.decode.backend=tc_full (torch.compile'd forward, one full graph a "
+                         "shape; its compile and capture seconds go to graph_memory)")
     ap.add_argument("--compile-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     unknown = set(filter(None, args.peers.split(","))) - set(PEERS)
@@ -274,7 +297,7 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
     path = ensure_checkpoint(preset, Path(args.checkpoints))
     setup = Setup(path, max(batches), args.context, args.attention)
     floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
-    rows, memory = ours(setup, batches, args.repeats)
+    rows, memory = ours(setup, batches, args.repeats, args.tc_full)
     memory["ladder"] = ladder_memory(setup, max(batches))
     del setup
     gc.collect()
@@ -287,7 +310,8 @@ def report(results: dict, peers: list[str]) -> None:
     chosen = [p for p in PEERS if p in peers]
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "full_two_kernel_ms",
-                 "two_kernel_over_fused", "full_no_split_ms", "no_split_over_full", "eager_ms", "breakable_ms",
+                 "two_kernel_over_fused", "full_no_split_ms", "no_split_over_full", "tc_full_ms",
+                 "tc_full_over_full", "eager_ms", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])

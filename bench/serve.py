@@ -5,7 +5,7 @@ request rate of ``--rates`` sends ``--num-prompts`` random-token prompts with Po
 (``inf``: all at once), streamed, and reports TTFT, TPOT, ITL and e2e (p50, p99), request and
 output-token throughput, goodput (requests within ``--slo-ttft-ms`` and ``--slo-tpot-ms``, per
 second), and from ``/metrics`` before and after each rate the decode graph hit ratio: replayed
-decode passes (``decode_cuda_graph`` + ``decode_breakable``) over all decode passes of every rank,
+decode passes (``decode_cuda_graph``, ``decode_breakable``, ``decode_tc_full``) over all decode passes of every rank,
 and the TTFT's mean by phase: preprocessing, the engine's queue, its prefill, and the rest (the
 fleet, the hops between processes, delivery).
 ``--compare`` also times the in-process engine's decode step at ``--compare-batch`` requests (at the
@@ -49,7 +49,7 @@ from bench.serve_load import (  # noqa: E402
     window_diagnostics,
 )
 
-REPLAYED = ("decode_cuda_graph", "decode_breakable")
+REPLAYED = ("decode_cuda_graph", "decode_breakable", "decode_tc_full")
 #: Sizes that keep a CPU run (no GPU) quick: small cache, batch and prefill chunks.
 CPU_OVERRIDES = ["model.device=cpu", "cache.num_pages=1024", "scheduler.chunked_prefill_size=512",
                  "graphs.prefill.max_tokens=512"]

@@ -149,10 +149,10 @@ class GraphBackend(ABC):
                 "(warm-ups then run outside the pool, holding their own activation peak while graphs capture)")
         return reserved
 
-    def _warm_up(self, fn: Callable[[], None], in_pool: bool) -> None:
+    def _warm_up(self, fn: Callable[[], None], in_pool: bool, runs: int | None = None) -> None:
         stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for _ in range(self.warmup):
+        for _ in range(self.warmup if runs is None else runs):
             if self.barrier is not None:
                 self.barrier()  # outside the pool: a collective's own buffers are not the forward's
             with allocations_in_pool(self.pool, self.device) if in_pool else contextlib.nullcontext(), \
@@ -296,6 +296,28 @@ class TcPiecewiseBackend(_CompileTimed, BreakableGraphBackend):
     """
 
 
+class TcFullBackend(_CompileTimed, FullGraphBackend):
+    """Captures a ``torch.compile``d forward as one full CUDA graph per shape, on CUDA.
+
+    The same compile as ``tc_piecewise`` (:mod:`graphs.piecewise`: inductor pieces split at the
+    opaque attention op, one compile for every shape >= 2), but the pieces and the ops between
+    them are recorded into one graph: an op's ``@eager_break`` body runs inline outside a
+    breakable capture (vLLM's FULL mode over its compiled model). Everything the ops do must be
+    graph-safe, as for ``full``.
+    """
+
+    name = "tc_full"
+
+    def _warm_up_measured(self, key: Hashable, fn: Callable[[], None], phase: str) -> int:
+        # A shape may compile on its first run (the first shape; batch 1, which dynamo specializes),
+        # and a compile's allocations must not land in the pool where later warm-ups run: one run
+        # outside it first, its blocks given back before the measured warm-up.
+        if self.device.type == "cuda" and self.warm_up_in_pool and self.shapes:
+            self._warm_up(fn, in_pool=False, runs=1)
+            release_warm_up_memory(self.device)
+        return super()._warm_up_measured(key, fn, phase)
+
+
 class TcPiecewiseNoGraphBackend(_CompileTimed):
     """``tc_piecewise`` off CUDA: the compiled pieces run without graphs (a replay calls ``fn``).
 
@@ -314,6 +336,13 @@ class TcPiecewiseNoGraphBackend(_CompileTimed):
 
     def _count_pieces(self, shape, clock):
         shape.num_segments, shape.num_breaks = clock.pieces, clock.splits
+
+
+class TcFullNoGraphBackend(TcPiecewiseNoGraphBackend):
+    """``tc_full`` off CUDA: the compiled forward runs without graphs (passes count as eager,
+    reason ``tc_full``)."""
+
+    name = "tc_full"
 
 
 class DebugBackend(GraphBackend):
@@ -339,17 +368,20 @@ BACKENDS: dict[str, type[GraphBackend]] = {
     "full": FullGraphBackend,
     "breakable": BreakableGraphBackend,
     "tc_piecewise": TcPiecewiseBackend,
+    "tc_full": TcFullBackend,
     "debug": DebugBackend,
 }
-OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBackend, "debug": DebugBackend}
+OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBackend,
+                                           "tc_full": TcFullNoGraphBackend, "debug": DebugBackend}
 
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
                    warm_up_in_pool: bool = True) -> GraphBackend:
-    """``full``, ``breakable``, ``tc_piecewise`` or ``debug`` (``eager`` is the eager runner: no backend).
+    """``full``, ``breakable``, ``tc_piecewise``, ``tc_full`` or ``debug`` (``eager`` is the eager
+    runner: no backend).
 
-    Off CUDA only ``debug`` and ``tc_piecewise`` (compiled pieces, no graphs) exist.
+    Off CUDA only ``debug``, ``tc_piecewise`` and ``tc_full`` (compiled, no graphs) exist.
     ``warm_up_in_pool``: see the module docstring.
     """
     if name not in BACKENDS:
@@ -357,5 +389,6 @@ def create_backend(name: str, device: torch.device, warmup: int = 2,
     if device.type == "cuda":
         return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool)
     if name not in OFF_CUDA:
-        raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise' or 'eager'")
+        raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise', "
+                         "'tc_full' or 'eager'")
     return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool)

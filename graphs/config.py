@@ -7,7 +7,7 @@ from typing import Literal
 
 from configkit import ConfigError, Section, check, check_ladder, check_min, parse_bytes
 
-DecodeBackend = Literal["full", "breakable", "eager", "debug"]
+DecodeBackend = Literal["full", "breakable", "tc_full", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
 CaptureMode = Literal["both", "decode", "prefill", "none"]
 
@@ -16,7 +16,9 @@ CaptureMode = Literal["both", "decode", "prefill", "none"]
 class DecodeGraphConfig(Section):
     """CUDA graphs for decode steps.
 
-    backend: how decode steps run: "full" or "breakable" graphs, "eager" (no graph), or "debug".
+    backend: how decode steps run: "full" or "breakable" graphs, "tc_full" (one full graph per
+        shape of a torch.compile'd forward, attention an opaque op; a failed compile falls back to
+        "full" and counts in cuda_graph_compile_failures_total), "eager" (no graph), or "debug".
     max_batch_size: largest captured batch; larger batches run eager.
     batch_sizes: captured batch sizes, strictly increasing; None = the default ladder up to max_batch_size.
     padding: pad a batch up to the next captured size (else only exact sizes replay).

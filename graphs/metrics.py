@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-MODE_SUFFIX = {"full": "cuda_graph", "breakable": "breakable", "tc_piecewise": "tc_piecewise"}
+MODE_SUFFIX = {"full": "cuda_graph", "breakable": "breakable", "tc_piecewise": "tc_piecewise", "tc_full": "tc_full"}
 
 
 def pass_mode(phase: str, backend: str | None) -> str:
@@ -37,6 +37,9 @@ class GraphMetrics:
                                        ["phase", *extra], buckets=(1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0),
                                        registry=reg)
         self.replans = Counter("cuda_graph_replans", "Live re-plans of the graph ladders", extra, registry=reg)
+        self.compile_failures = Counter("cuda_graph_compile_failures",
+                                        "torch.compile failures of a compiled graph backend (the phase fell back)",
+                                        ["phase", "fallback", *extra], registry=reg)
         if self.labels:  # export 0 before the first re-plan (an unlabelled counter always has its sample)
             self.replans.labels(**self.labels)
         # The children a step records into, resolved on first use (a child exports its sample from
@@ -67,6 +70,10 @@ class GraphMetrics:
 
     def record_budget(self, budget_bytes: int | None) -> None:
         (self.budget_bytes.labels(**self.labels) if self.labels else self.budget_bytes).set(budget_bytes or 0)
+
+    def record_compile_failure(self, phase: str, fallback: str) -> None:
+        """A compiled backend of ``phase`` could not compile; the phase runs ``fallback`` instead."""
+        self.compile_failures.labels(phase=phase, fallback=fallback, **self.labels).inc()
 
     def record_replan(self) -> None:
         (self.replans.labels(**self.labels) if self.labels else self.replans).inc()

@@ -108,7 +108,8 @@ def test_unknown_deeply_nested_key_without_suggestion(tmp_path):
 def test_bad_enum_value_with_suggestion(tmp_path):
     msg = error_of(write(tmp_path, "graphs:\n  decode:\n    backend: ful\n"))
     assert msg == (
-        "graphs.decode.backend: invalid value 'ful'; allowed: full, breakable, eager, debug (did you mean 'full'?)"
+        "graphs.decode.backend: invalid value 'ful'; allowed: full, breakable, tc_full, eager, debug "
+        "(did you mean 'full'?)"
     )
 
 

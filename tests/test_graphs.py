@@ -173,9 +173,11 @@ def test_graph_backends_need_cuda():
     for name in ("full", "breakable"):
         with pytest.raises(ValueError, match="needs CUDA"):
             create_backend(name, torch.device("cpu"))
-    with pytest.raises(ValueError, match="allowed: full, breakable, tc_piecewise, debug"):
+    with pytest.raises(ValueError, match="allowed: full, breakable, tc_piecewise, tc_full, debug"):
         create_backend("fast", torch.device("cpu"))
-    assert not create_backend("tc_piecewise", torch.device("cpu")).is_graph  # compiled pieces, no graphs
+    for name in ("tc_piecewise", "tc_full"):  # compiled, no graphs
+        backend = create_backend(name, torch.device("cpu"))
+        assert not backend.is_graph and backend.name == name
 
 
 def capturing() -> bool:

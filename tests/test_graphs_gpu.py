@@ -1,4 +1,4 @@
-"""CUDA graphs on the GPU: full and breakable decode against eager, structure, errors, memory."""
+"""CUDA graphs on the GPU: full, breakable and tc_full decode against eager, structure, errors, memory."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
 from worker.engine import Engine
 from worker.model.kernels import select_kernels
-from worker.model_steps import ModelDecodeStep
+from worker.model_steps import CompiledDecodeStep, ModelDecodeStep
 from worker.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -37,10 +37,16 @@ def _own(checkpoint_dir, attention: str) -> OwnModel:
 
 
 def _runner(own: OwnModel, backend: str, ladder=None) -> DecodeGraphRunner:
-    step = ModelDecodeStep(own.model, own.attention, breakable=backend == "breakable")
+    if backend == "tc_full":
+        torch._dynamo.reset()  # a fresh model: its own compiles (graphs/piecewise.py)
+        step = CompiledDecodeStep(own.model, own.attention)
+    else:
+        step = ModelDecodeStep(own.model, own.attention, breakable=backend == "breakable")
     runner = DecodeGraphRunner(step, create_backend(backend, CUDA), ladder or default_decode_ladder(256))
     runner.capture_all(progress=False)
     assert not runner.failed, runner.failed
+    if backend == "tc_full":  # compiled, not fallen back: two compiles (batch 1 and the rest)
+        assert step.compile_error is None and step.compiled.compiles == 2, step.compile_error
     return runner
 
 
@@ -54,7 +60,7 @@ def _greedy_agrees(got: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("attention", ["torch", "flashinfer"])
-@pytest.mark.parametrize("backend", ["full", "breakable"])
+@pytest.mark.parametrize("backend", ["full", "breakable", "tc_full"])
 def test_300_random_batches_match_eager(backend, attention, checkpoint_dir):
     own = _own(checkpoint_dir, attention)
     runner = _runner(own, backend)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from graphs.piecewise import PiecewiseCompiled
@@ -9,6 +12,8 @@ from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.attention.breaking import BreakingAttention
 from worker.attention.splitting import SPLITTING_OPS, SplittingAttention
 from worker.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class _ModelStep:
@@ -51,6 +56,49 @@ class ModelDecodeStep(_ModelStep):
         """Logits in the model's dtype: the runner's copy into its float32 output is the cast (one
         kernel, no float32 intermediate in the graph pool)."""
         hidden = self.model(input_ids, positions, self._forward_attention)
+        return self.model.compute_logits(hidden, dtype=None)
+
+
+class CompiledDecodeStep(ModelDecodeStep):
+    """Decode step for the ``tc_full`` backend: the body under ``torch.compile(fullgraph=True)``,
+    split at the attention custom op (:mod:`worker.attention.splitting`), pieces compiled by
+    ``compiler``; the backend records pieces and ops into one full graph per shape.
+
+    One compile serves every batch of two rows or more; batch 1 compiles once more (dynamo
+    specializes sizes 0 and 1). :class:`graphs.backends.TcFullBackend` runs each shape once
+    outside the graph pool before its warm-ups, so both compiles allocate outside it.
+
+    A compile that fails is not fatal: the step logs it, calls ``on_compile_failure(reason)``
+    once, and from then on runs the uncompiled forward, so the backend captures what ``full``
+    would. Build one per model and attention backend and reuse it (dynamo's caches are per code
+    object, process-wide: see :mod:`graphs.piecewise`).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, compiler: str = "inductor") -> None:
+        super().__init__(model, attention, breakable=False)
+        self.compiled = PiecewiseCompiled(self._traced_forward, SPLITTING_OPS, compiler)
+        self._splitting = SplittingAttention(attention)
+        self.compile_error: str | None = None
+        self.on_compile_failure: Callable[[str], None] | None = None
+
+    def _traced_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self._splitting)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.compile_error is None:
+            try:
+                hidden = self.compiled(input_ids, positions)
+            except Exception as e:  # noqa: BLE001 - any compile failure falls back to the plain forward
+                if self.compiled.error is None and not isinstance(e, torch._dynamo.exc.TorchDynamoException):
+                    raise  # not a compile failure: the forward itself is broken
+                self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.error("torch.compile of the decode forward failed; decode graphs capture the uncompiled "
+                          "forward (as graphs.decode.backend=full): %s", self.compile_error)
+                if self.on_compile_failure is not None:
+                    self.on_compile_failure(self.compile_error)
+                hidden = self.model(input_ids, positions, self._forward_attention)
+        else:
+            hidden = self.model(input_ids, positions, self._forward_attention)
         return self.model.compute_logits(hidden, dtype=None)
 
 

@@ -34,7 +34,7 @@ from worker.model.kernels import select_kernels
 from worker.model.loader import load_model, resolve_dtype
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
-from worker.model_steps import CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
+from worker.model_steps import CompiledDecodeStep, CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
 from worker.readback import TokenReadback
 from worker.step_message import StepMessage, StepResult
 
@@ -96,6 +96,7 @@ class Worker:
         self._readback = TokenReadback()  # a GPU step's tokens to the host
         self._launches = 0  # steps launched so far (a LaunchedStep's number)
         self._tc_step: CompiledPrefillStep | None = None
+        self._tc_decode_step: CompiledDecodeStep | None = None
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
         self._planned_at = BatchProfile()  # the live profile when the ladders were last planned
 
@@ -274,14 +275,14 @@ class Worker:
         if name == "eager":
             log.info("%s runs eagerly (graphs.%s.backend=eager)", phase, phase)
             return None, "disabled"
-        if self.device.type != "cuda" and name not in ("debug", "tc_piecewise"):
+        if self.device.type != "cuda" and name not in ("debug", "tc_piecewise", "tc_full"):
             log.info("no CUDA device: CUDA graphs are off and %s runs eagerly on %s "
                      "(graphs.%s.backend=%s needs CUDA; graphs.debug=true runs the runner path on CPU)",
                      phase, self.device, phase, name)
             return None, "no_cuda"
-        if name == "tc_piecewise" and self.device.type != "cuda":
-            log.info("no CUDA device: graphs.%s.backend=tc_piecewise runs its torch.compile pieces without "
-                     "CUDA graphs on %s", phase, self.device)
+        if name in ("tc_piecewise", "tc_full") and self.device.type != "cuda":
+            log.info("no CUDA device: graphs.%s.backend=%s runs its torch.compile pieces without "
+                     "CUDA graphs on %s", phase, name, self.device)
         return name, ""
 
     def _barrier(self):
@@ -327,10 +328,30 @@ class Worker:
         name, reason = self._graph_backend_name("decode")
         if name is None:
             return EagerRunner("decode", reason, self.graph_metrics)
-        step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
-        return DecodeGraphRunner(step, self._graph_backend(name, pool),
-                                 self._decode_ladder(planner_candidates), self.config.graphs.decode.padding,
-                                 self.graph_metrics)
+        if name == "tc_full" and self._tc_decode_step is not None and self._tc_decode_step.compile_error:
+            name = "full" if self.device.type == "cuda" else "debug"  # it failed before: not again
+        backend = self._graph_backend(name, pool)
+        if name == "tc_full":
+            step = self._compiled_decode_step()
+            step.on_compile_failure = lambda reason: self._decode_compile_failed(backend)
+        else:
+            step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
+        return DecodeGraphRunner(step, backend, self._decode_ladder(planner_candidates),
+                                 self.config.graphs.decode.padding, self.graph_metrics)
+
+    def _compiled_decode_step(self) -> CompiledDecodeStep:
+        """The tc_full step, built once (as :meth:`_compiled_prefill_step`)."""
+        if self._tc_decode_step is None:
+            log.info("graphs.decode.backend=tc_full: torch.compile(fullgraph=True) of the decode forward, "
+                     "attention an opaque op, one full graph per shape; the first capture compiles")
+            self._tc_decode_step = CompiledDecodeStep(self.model, self.attention)
+        return self._tc_decode_step
+
+    def _decode_compile_failed(self, backend: GraphBackend) -> None:
+        """The tc_full decode compile failed: the backend records the uncompiled forward from now on,
+        so its passes count as what they are (``full`` on CUDA, ``debug`` off it)."""
+        backend.name = "full" if backend.is_graph else "debug"
+        self.graph_metrics.record_compile_failure("decode", backend.name)
 
     # ----- steps -----
 
