@@ -185,6 +185,19 @@ def gc_pause_totals(text: str) -> dict[str, float]:
     return out
 
 
+def step_wait_totals(text: str) -> dict[str, float]:
+    """The step read-backs' waits in a ``/metrics`` text, every rank summed: ``wait_s`` (seconds
+    the reading thread waited, ``graphfleet_step_wait_seconds_total``) and ``cpu_s`` (its CPU
+    meanwhile, ``graphfleet_step_wait_cpu_seconds_total``)."""
+    names = {"graphfleet_step_wait_seconds_total": "wait_s", "graphfleet_step_wait_cpu_seconds_total": "cpu_s"}
+    out = {"wait_s": 0.0, "cpu_s": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in names:
+                out[names[s.name]] += s.value
+    return out
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 

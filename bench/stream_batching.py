@@ -7,7 +7,9 @@ ran, of the Serve replica's HTTP side (every thread but the fleet's: the API, st
 request handling), of its fleet threads (the fleet loop: routing and delivering events; each
 group's report receiver and rank watcher), of the group's engine loop thread on its leader rank (scheduling, the
 step's launch, waiting on it, detokenizing) and of the rest of that rank process, and of
-Serve's HTTP proxy. The apps run one
+Serve's HTTP proxy; and, from ``/metrics``, the share of a core the engine loop burns while it
+waits on a step (``engine_wait_core_share``: the read-back's CPU seconds over its wait seconds,
+``graphfleet_step_wait_*_seconds_total``; 0 on CPU, where a step has run when it returns). The apps run one
 after the other (each is deleted before the next starts), so they never share the device.
 
 GPU machine: ``PYTHONPATH=/tmp/site:. python3 bench/stream_batching.py``. Here, on CPU:
@@ -31,7 +33,14 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve import CPU_OVERRIDES, _get, in_process_decode, start_serve, wait_healthy  # noqa: E402
+from bench.serve import (  # noqa: E402
+    CPU_OVERRIDES,
+    _get,
+    in_process_decode,
+    start_serve,
+    step_wait_totals,
+    wait_healthy,
+)
 from bench.serve_load import random_prompts, run_load, steady_decode_rate, summarize  # noqa: E402
 
 
@@ -69,8 +78,10 @@ def measure(base: str, app: str, args: argparse.Namespace, vocab: int, in_proces
     prompts = random_prompts(args.batch, args.input_len, vocab, args.seed + 7)
     titles = {"replica": f"ServeReplica:{app}:", "proxy": "ProxyActor", "rank": "FleetRankActor"}
     before = {k: threads_cpu_s(t) for k, t in titles.items()}
+    waits_before = step_wait_totals(_get(f"{base}/metrics")[1])
     records, duration = asyncio.run(run_load(base, model, prompts, args.output_len, float("inf"), args.seed))
     after = {k: threads_cpu_s(t) for k, t in titles.items()}
+    waits = {k: v - waits_before[k] for k, v in step_wait_totals(_get(f"{base}/metrics")[1]).items()}
     loop_s, serving_s = cpu_split(before["replica"], after["replica"], "graphfleet-loop", "reports-", "loops-")
     proxy_s = sum(cpu_split(before["proxy"], after["proxy"]))
     engine_s, rank_rest_s = cpu_split(before["rank"], after["rank"], "engine-loop")
@@ -85,6 +96,9 @@ def measure(base: str, app: str, args: argparse.Namespace, vocab: int, in_proces
             "fleet_loop_cpu_us_per_token": loop_s / tokens * 1e6 if tokens else None,
             "engine_loop_cpu_us_per_token": engine_s / tokens * 1e6 if tokens else None,
             "engine_loop_core_share": engine_s / duration if duration else None,
+            # While it waits on a step: the share of a core the waiting thread (the engine loop) burns.
+            "engine_wait_s": waits["wait_s"],
+            "engine_wait_core_share": waits["cpu_s"] / waits["wait_s"] if waits["wait_s"] > 0 else None,
             "rank_other_cpu_us_per_token": rank_rest_s / tokens * 1e6 if tokens else None,
             "proxy_cpu_us_per_token": proxy_s / tokens * 1e6 if tokens else None,
             **{k: stats[k] for k in ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms")}}
@@ -135,7 +149,8 @@ def main() -> None:
           f"({in_process['step_ms']:.2f} ms per step)")
     print_table(rows, ["interval_ms", "serve_tokens_per_s", "serve_over_in_process", "tokens_per_chunk",
                        "replica_http_cpu_us_per_token", "fleet_loop_cpu_us_per_token", "proxy_cpu_us_per_token",
-                       "engine_loop_cpu_us_per_token", "engine_loop_core_share", "ttft_p50_ms", "tpot_p50_ms",
+                       "engine_loop_cpu_us_per_token", "engine_loop_core_share", "engine_wait_core_share",
+                       "ttft_p50_ms", "tpot_p50_ms",
                        "itl_p50_ms", "itl_p99_ms"])
     out = write_results("stream_batching", {"env": environment(), "args": vars(args), "overrides": overrides,
                                             "in_process": in_process, "rows": rows})

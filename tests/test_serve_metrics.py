@@ -117,6 +117,9 @@ def test_metrics_count_the_requests_sent(server, client):
     for name, labels in graph:
         assert labels.get("rank") == "0" and GROUPS.get(labels.get("group")) == labels.get("role"), (name, labels)
     assert {labels["group"] for _, labels in graph} == set(GROUPS)
+    for family in ("graphfleet_step_wait_seconds_total", "graphfleet_step_wait_cpu_seconds_total"):
+        # Every rank's read-back waits, merged like the graph families (0 on CPU: nothing waits).
+        assert {labels["group"] for labels, _ in after[family]} == set(GROUPS), family
     # Each request alone: one prefill pass on the prefill group, then MAX_TOKENS - 1 decode steps
     # on the decode group; with no GPU every one of them runs eagerly.
     assert delta("cuda_graph_passes_total", phase="decode") >= n * (MAX_TOKENS - 1)

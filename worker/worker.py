@@ -37,6 +37,7 @@ from worker.model_runner import ModelRunner
 from worker.model_steps import CompiledDecodeStep, CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
 from worker.readback import TokenReadback
 from worker.step_message import StepMessage, StepResult
+from worker.step_wait_metrics import StepWaitMetrics
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Worker:
             if self.device.type == "cuda" or not isinstance(config.graphs.memory_budget, float) else None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.graph_metrics = GraphMetrics(self.registry, metric_labels)
+        self.wait_metrics = StepWaitMetrics(self.registry, metric_labels)
         sched = config.scheduler
         p = config.graphs.prefill
         self.prefill_ceiling = max(p.token_buckets) if p.token_buckets else p.resolved_max_tokens(
@@ -392,6 +394,7 @@ class Worker:
             wait_s = wait_cpu_s = 0.0
         else:
             tokens, logprobs, wait_s, wait_cpu_s = self._readback.wait(step.host, newest=step.number == self._launches)
+            self.wait_metrics.record(wait_s, wait_cpu_s)
         result = StepResult(tokens, logprobs, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
         if step.logits is not None:
             result.logits = step.logits.cpu()
