@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response models (the subset graphfleet serves).
 
-Requests are validated strictly (``"max_tokens": "5"`` is an error, not 5); unknown fields are
-ignored, as the OpenAI clients send optional fields this server does not use. Value ranges
+Requests are validated strictly (``"max_tokens": "5"`` is an error, not 5); fields of OpenAI's API
+or vLLM's extensions that this server does not serve are refused when set (a 400 naming the field,
+:mod:`deploy.request_fields`), and other unknown fields are ignored and logged. Value ranges
 (temperature, top_p, ...) are checked where the request becomes :class:`SamplingParams`, so the
 messages match the Python API's.
 """
@@ -12,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
 Number = StrictInt | StrictFloat
 
@@ -30,7 +31,8 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions (``ignore_eos``, ``top_k``, ``min_p`` are extensions)."""
+    """Fields shared by completions and chat completions (``ignore_eos``, ``top_k``, ``min_p``,
+    ``stop_token_ids`` are vLLM's extensions)."""
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -43,6 +45,7 @@ class _SamplingFields(_Request):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    stop_token_ids: list[StrictInt] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     ignore_eos: StrictBool = False
@@ -155,8 +158,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A chunk's delta: keys that are not set are left out (``role`` is in the first chunk only, the
+    last may be ``{}``), as OpenAI's and vLLM's streams send them."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_keys_only(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

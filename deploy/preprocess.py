@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from deploy import openai_protocol as p
 from deploy.errors import ApiError
+from deploy.request_fields import UnsupportedField, check_fields
 from worker.admission import PromptLimits, PromptTooLong
 from worker.request import RequestRejected
 from worker.sampling.params import SamplingParams, SamplingParamsError
@@ -32,6 +33,8 @@ from worker.tokenizer import ChatTemplateError, Tokenizer
 __all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "PreparedRequest", "from_validation", "prepare",
            "rejected"]
 
+#: Most token ids ``stop_token_ids`` may list (each sampled token is looked up in them).
+MAX_STOP_TOKEN_IDS = 64
 #: Most choices one request may ask for: prompts times ``n``.
 MAX_CHOICES = 16
 #: Most stop sequences one request may give, and most characters in each (every generated token is
@@ -62,7 +65,7 @@ def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptL
     """The :class:`PreparedRequest` of body ``raw`` for ``route`` (``completions`` or ``chat``); raises
     :class:`ApiError` (400) naming the first problem."""
     req = _parse(raw, ROUTES[route], limits)
-    fields = _sampling_fields(req)
+    fields = _sampling_fields(req, limits)
     if route == "completions":
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
@@ -102,6 +105,10 @@ def _parse(raw: bytes, model: type[p.BaseModel], limits: PromptLimits) -> Any:
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")
     _check_prompt_lists(data.get("prompt"), limits)
+    try:
+        check_fields(data, set(model.model_fields), model.__name__)
+    except UnsupportedField as e:
+        raise ApiError(400, e.message, param=e.field) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -166,11 +173,14 @@ def _check_text_fits(text: str, tokenizer: Tokenizer, limits: PromptLimits, para
                             "tokens", param=param, code="context_length_exceeded")
 
 
-def _sampling_fields(req: p._SamplingFields) -> dict:
+def _sampling_fields(req: p._SamplingFields, limits: PromptLimits) -> dict:
     """SamplingParams fields of ``req`` but ``max_tokens`` (filled per prompt)."""
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported (must be 0 or null)", param=name)
+        value = getattr(req, name)
+        if value is not None and not -2 <= value <= 2:
+            raise ApiError(400, f"{name} must be in [-2, 2], got {value}", param=name)
+        if value not in (None, 0, 0.0):
+            raise ApiError(400, f"{name} is not supported by this server yet (must be 0 or null)", param=name)
     logprobs = req.logprobs if isinstance(req, p.ChatCompletionRequest) else req.logprobs is not None
     fields: dict[str, Any] = {"ignore_eos": req.ignore_eos, "logprobs": logprobs}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
@@ -184,6 +194,16 @@ def _sampling_fields(req: p._SamplingFields) -> dict:
             if len(s) > MAX_STOP_CHARS:
                 raise ApiError(400, f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS}", param="stop")
         fields["stop"] = stop
+    if req.stop_token_ids:
+        ids = req.stop_token_ids
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ApiError(400, f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                           param="stop_token_ids")
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                           param="stop_token_ids")
+        fields["stop_token_ids"] = tuple(ids)
     return fields
 
 

@@ -128,11 +128,75 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(llama):
     ({"prompt": [1, 2, 5000]}, "prompt", "outside the vocabulary"),
     ({"prompt": list(range(1, 257))}, "prompt", "max_model_len is 256"),
     ({"prompt": "a", "presence_penalty": 1.0}, "presence_penalty", "not supported"),
+    ({"prompt": "a", "stop_token_ids": [1, 4096]}, "stop_token_ids", "4096 is outside the vocabulary [0, 4096)"),
+    ({"prompt": "a", "stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
+    ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
     ({"prompt": 5}, "prompt", "Input should be"),
 ])
 def test_each_bound_is_a_400_naming_its_field(llama, fields, param, needle):
     e = _refused("completions", _body(**fields), llama)
     assert e.param == param and needle in e.message, e.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"5": 100}), ("suffix", "tail"), ("best_of", 2), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("repetition_penalty", 1.2), ("min_tokens", 5), ("skip_special_tokens", False),
+    ("guided_json", {"type": "object"}), ("prompt_logprobs", 1), ("use_beam_search", True),
+])
+def test_a_field_this_server_cannot_honour_is_a_400_naming_it(llama, field, value):
+    for route, body in (("completions", {"prompt": "a"}), ("chat", {"messages": [{"role": "user", "content": "a"}]})):
+        e = _refused(route, _body(**body, **{field: value}), llama)
+        assert e.param == field and e.message.startswith(f"{field} is not supported by this server: "), e.message
+
+
+def test_the_no_op_values_of_those_fields_and_the_ignored_ones_are_accepted(llama, caplog):
+    noops = {"logit_bias": {}, "suffix": "", "best_of": 1, "response_format": {"type": "text"}, "tools": [],
+             "tool_choice": "none", "repetition_penalty": 1.0, "skip_special_tokens": True,
+             "include_stop_str_in_output": False, "user": "u-1", "store": False, "metadata": {"k": "v"},
+             "service_tier": "auto", "parallel_tool_calls": True}
+    plain = prepare("completions", _body(prompt="a b", max_tokens=3), llama, LIMITS)
+    got = prepare("completions", _body(prompt="a b", max_tokens=3, **noops), llama, LIMITS)
+    assert got.prompts == plain.prompts and got.choices == plain.choices
+    # min_tokens holds whatever its value when every choice runs to max_tokens anyway.
+    assert prepare("completions", _body(prompt="a", max_tokens=3, min_tokens=3, ignore_eos=True), llama, LIMITS)
+    e = _refused("completions", _body(prompt="a", max_tokens=3, min_tokens=3, ignore_eos=True, stop=["x"]), llama)
+    assert e.param == "min_tokens"
+    with caplog.at_level("WARNING", logger="deploy.request_fields"):
+        for _ in range(2):
+            prepare("completions", _body(prompt="a", max_tokens=2, some_vendor_field_xyz=1), llama, LIMITS)
+    logged = [r for r in caplog.records if "some_vendor_field_xyz" in r.getMessage()]
+    assert len(logged) == 1 and "ignored" in logged[0].getMessage()  # once per name and process
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalties_out_of_range_get_the_range_and_in_range_ones_are_refused_as_unserved(llama, field):
+    e = _refused("completions", _body(prompt="a", **{field: 5.0}), llama)
+    assert e.param == field and e.message == f"{field} must be in [-2, 2], got 5.0"
+    e = _refused("chat", _body(messages=[{"role": "user", "content": "a"}], **{field: -0.5}), llama)
+    assert e.param == field and "not supported by this server yet" in e.message
+    assert prepare("completions", _body(prompt="a", max_tokens=2, **{field: 0}), llama, LIMITS)
+
+
+def test_stop_token_ids_reach_the_sampling_params(llama):
+    got = prepare("chat", _body(messages=[{"role": "user", "content": "a"}], stop_token_ids=[7, 9]), llama, LIMITS)
+    assert got.choices[0][1].stop_token_ids == (7, 9)
+
+
+def test_chat_chunk_deltas_leave_out_the_keys_they_do_not_set():
+    from deploy import openai_protocol as p
+    from deploy.streaming import _data
+
+    def delta(d):
+        chunk = p.ChatCompletionChunk(id="c", created=1, model="m", choices=[
+            p.ChatChunkChoice(index=0, delta=d, finish_reason="stop" if d.content is None else None)])
+        body = json.loads(_data(chunk).removeprefix("data: "))
+        assert body["choices"][0]["logprobs"] is None and "finish_reason" in body["choices"][0]
+        return body["choices"][0]["delta"]
+
+    assert delta(p.ChatDelta(role="assistant", content="")) == {"role": "assistant", "content": ""}
+    assert delta(p.ChatDelta(content="hi")) == {"content": "hi"}  # no "role": null after the first chunk
+    assert delta(p.ChatDelta()) == {}
 
 
 def test_malformed_bodies(llama):

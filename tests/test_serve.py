@@ -123,6 +123,12 @@ def test_completions_match_engine(client, reference):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == MAX_TOKENS
         assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    # vLLM's stop_token_ids extension: the greedy output ends at the first new token after its first.
+    ids = reference(PROMPTS[0]).token_ids
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
 
 
 def _stream_texts(client, prompt, max_tokens):
@@ -239,6 +245,8 @@ BAD = [
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
     ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop[0] must be a non-empty string"),
     ({"model": "tiny", "prompt": "hi", "logprobs": 5}, 400, "logprobs must be 0 or null"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported by this server"),
+    ({"model": "tiny", "prompt": "hi", "frequency_penalty": 5.0}, 400, "frequency_penalty must be in [-2, 2]"),
 ]
 BAD_CHAT = [
     ({"model": "tiny", "messages": []}, 400, "messages is empty"),
