@@ -30,7 +30,9 @@ batch (``step_s``, ``t1_s``, ``t65_s`` or ``error``), its process-level ``error`
 The attention backend is built as the engine builds it (fast decode plan, fused RoPE + KV write);
 ``full_two_kernel`` is the same full graph with RoPE and the KV append as two kernels, timed in the
 same run (``two_kernel_over_fused`` above 1: the fused kernel is faster); ``full_no_split`` is the
-full graph with ``attention.decode_graph_split_kv`` off (no KV split, no merge kernel).
+full graph with ``attention.decode_graph_split_kv`` off (no KV split, no merge kernel) and
+``full_split`` with it on; ``full`` itself runs the engine's default, ``"auto"``, whose choice per
+batch is the ``graph_split_kv`` column.
 ``--tc-full`` adds ``tc_full`` (``graphs.decode.backend=tc_full``: the forward under torch.compile,
 attention an opaque op, one full graph a shape; ``tc_full_over_full`` below 1: it is faster), with
 its compile and capture seconds apart in ``graph_memory`` (a failed compile is its
@@ -99,16 +101,17 @@ class Setup:
         self.cache.kv.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
         # As the engine's defaults: the fast decode plan and the fused RoPE + KV write; the same
         # full graph without the fused kernel is timed beside it (``full_two_kernel``).
-        self.attention = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
-                                                  self.pages_per_row, fast_decode_plan=True, fused_rope_store=True)
-        self.two_kernel = self.no_split = None
+        def backend(**kw):
+            return create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
+                                            self.pages_per_row, fast_decode_plan=True, **kw)
+
+        self.attention = backend(fused_rope_store=True, decode_graph_split_kv="auto")
+        self.two_kernel = self.split = self.no_split = None
         if getattr(self.attention, "fused_rope_store", False):
-            self.two_kernel = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
-                                                       self.pages_per_row, fast_decode_plan=True)
-        if attention == "flashinfer":  # decode graphs without flashinfer's KV split and merge kernel
-            self.no_split = create_attention_backend(attention, shape, self.cache, max_bs, max(max_bs, 8192),
-                                                     self.pages_per_row, fast_decode_plan=True, fused_rope_store=True,
-                                                     decode_graph_split_kv=False)
+            self.two_kernel = backend(decode_graph_split_kv="auto")
+        if attention == "flashinfer":  # decode graphs with and without flashinfer's KV split and merge kernel
+            self.split = backend(fused_rope_store=True, decode_graph_split_kv=True)
+            self.no_split = backend(fused_rope_store=True, decode_graph_split_kv=False)
         self.context = context
 
     def batch(self, b: int) -> LiveDecodeBatch:
@@ -142,8 +145,8 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) 
     variants = [("full", setup.attention), ("breakable", setup.attention)]
     if setup.two_kernel is not None:
         variants.append(("full_two_kernel", setup.two_kernel))
-    if setup.no_split is not None:
-        variants.append(("full_no_split", setup.no_split))
+    if setup.split is not None:
+        variants += [("full_split", setup.split), ("full_no_split", setup.no_split)]
     if tc_full:
         variants.append(("tc_full", setup.attention))
     for name, attention in variants:
@@ -230,21 +233,25 @@ def run_peers(path: Path, args: argparse.Namespace, peers: list[str]) -> dict[st
     return out
 
 
-def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers: dict[str, dict]) -> list[dict]:
-    """Table rows of one preset: ours, the floor, each peer's step (or its error) and full graph over it."""
+def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers: dict[str, dict],
+                splits: dict[int, bool | None] | None = None) -> list[dict]:
+    """Table rows of one preset: ours, the floor, each peer's step (or its error) and full graph over
+    it; ``splits``: whether ``full``'s captured shape of each batch splits the KV (None: not flashinfer)."""
     out = []
     for b in batches:
         full = rows[("full", b)]
         r = {"preset": preset, "batch": b, "floor_ms": floors[b], "full_ms": full * 1e3,
+             "graph_split_kv": (splits or {}).get(b),
              "full_over_floor": full * 1e3 / floors[b], "eager_ms": rows[("eager", b)] * 1e3,
              "breakable_ms": rows[("breakable", b)] * 1e3, "eager_over_full": rows[("eager", b)] / full,
              "breakable_over_full": rows[("breakable", b)] / full}
         if ("full_two_kernel", b) in rows:  # RoPE and the KV append as two kernels, side by side
             r["full_two_kernel_ms"] = rows[("full_two_kernel", b)] * 1e3
             r["two_kernel_over_fused"] = rows[("full_two_kernel", b)] / full
-        if ("full_no_split", b) in rows:  # decode graphs without the KV split and merge kernel
-            r["full_no_split_ms"] = rows[("full_no_split", b)] * 1e3
-            r["no_split_over_full"] = rows[("full_no_split", b)] / full
+        for forced in ("split", "no_split"):  # decode graphs with the KV split forced on and off
+            if (f"full_{forced}", b) in rows:
+                r[f"full_{forced}_ms"] = rows[(f"full_{forced}", b)] * 1e3
+                r[f"{forced}_over_full"] = rows[(f"full_{forced}", b)] / full
         if ("tc_full", b) in rows:  # the torch.compile'd forward in one full graph a shape
             r["tc_full_ms"] = rows[("tc_full", b)] * 1e3
             r["tc_full_over_full"] = rows[("tc_full", b)] / full
@@ -298,19 +305,22 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
     setup = Setup(path, max(batches), args.context, args.attention)
     floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
     rows, memory = ours(setup, batches, args.repeats, args.tc_full)
+    split_of = getattr(setup.attention, "graph_splits_kv", None)
+    splits = {b: split_of(b) if split_of else None for b in batches}
     memory["ladder"] = ladder_memory(setup, max(batches))
     del setup
     gc.collect()
     torch.cuda.empty_cache()  # what we held goes to the peers' children
     peers = run_peers(path, args, list(filter(None, args.peers.split(","))))
-    return {"rows": preset_rows(preset, batches, rows, floors, peers), "graph_memory": memory, "peers": peers}
+    return {"rows": preset_rows(preset, batches, rows, floors, peers, splits), "graph_memory": memory,
+            "peers": peers}
 
 
 def report(results: dict, peers: list[str]) -> None:
     chosen = [p for p in PEERS if p in peers]
     print_table([r for res in results["presets"].values() for r in res["rows"]],
-                ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "full_two_kernel_ms",
-                 "two_kernel_over_fused", "full_no_split_ms", "no_split_over_full", "tc_full_ms",
+                ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
+                 "two_kernel_over_fused", "split_over_full", "no_split_over_full", "tc_full_ms",
                  "tc_full_over_full", "eager_ms", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():

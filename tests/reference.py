@@ -42,11 +42,12 @@ class OwnModel:
         shape = self.model.attention_shape
         self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, page_size, shape.num_kv_heads,
                                                self.arch.head_dim), dtype, device)
-        # fused_rope_store as the Worker's default (on for flashinfer) unless a test says
+        # fused_rope_store and decode_graph_split_kv as the Worker's defaults unless a test says
+        extra = {} if backend == "torch" else {"decode_graph_split_kv": "auto"}
         self.attention = create_attention_backend(backend, shape, self.cache, max_rows, 4096,
                                                   max_pages_per_row or num_pages,
                                                   fused_rope_store=backend != "torch" if fused_rope_store is None
-                                                  else fused_rope_store)
+                                                  else fused_rope_store, **extra)
         self.runner = ModelRunner(self.model, self.attention, EagerRunner("decode", "disabled"),
                                   EagerRunner("prefill", "disabled"))
         self.allocator = PageAllocator(num_pages)

@@ -60,18 +60,20 @@ class AttentionConfig(Section):
         its KV append; off, or where Triton does not import, the two kernels run. On the H200
         (decode-20261203T223136, context 512) the full decode graph of tinyllama-1.1b is 1.19x /
         1.09x faster with it at batch 1 / 64, llama-3-8b's 1.01x.
-    decode_graph_split_kv: flashinfer only: captured decode shapes split each row's KV and merge
-        the parts (flashinfer's graph mode: a long row is spread over many CTAs); off, one CTA per
-        head group reads a row's whole KV and no merge kernel runs. Measured at context 512
-        (decode-20261203T223136, -223909): off is 2-3.5% faster at batch 64 and 256 and 1-4% slower
-        at 1-16. It stays on: off, one long row in a batch of short ones is read by a few CTAs
-        while the rest of the GPU idles.
+    decode_graph_split_kv: flashinfer only: whether captured decode shapes split each row's KV and
+        merge the parts (flashinfer's graph mode: a long row is spread over many CTAs); off, one CTA
+        per row and KV head reads a row's whole KV and no merge kernel runs. "auto" decides per
+        captured shape: split while rows x KV heads (the CTAs of an unsplit pass) are fewer than the
+        GPU's SMs, not once they fill them. Measured at context 512 (decode-20261204T013500):
+        unsplit was 4-5% faster at batch 64 and 256 on tinyllama-1.1b (4 KV heads), a wash on
+        llama-3-8b (8 KV heads), and 1.5-10% slower at batch 1 and 8. Unsplit, a long row in a big
+        batch of short ones is read by few CTAs: the cost "auto" accepts where the batch fills the GPU.
     """
 
     backend: AttentionBackend = "auto"
     fast_decode_plan: bool = True
     fused_rope_store: bool = True
-    decode_graph_split_kv: bool = True
+    decode_graph_split_kv: bool | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def flashinfer_importable() -> bool:
 def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int,
                              max_num_tokens: int, max_pages_per_row: int, *,
                              fast_decode_plan: bool = False, fused_rope_store: bool = False,
-                             decode_graph_split_kv: bool = True) -> AttentionBackend:
+                             decode_graph_split_kv: bool | str = True) -> AttentionBackend:
     """``auto`` takes flashinfer when the cache is on CUDA and flashinfer imports, else torch.
     ``fast_decode_plan``, ``fused_rope_store`` and ``decode_graph_split_kv`` are flashinfer's
     (:class:`FlashInferBackend`); the torch backend is the reference and keeps its plain RoPE and store."""

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, Rope
-from worker.attention.flashinfer_metadata import build_metadata
+from worker.attention.flashinfer_metadata import build_metadata, graph_decode_splits_kv
 from worker.kv_cache import PagedKVCache
 
 INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own default for a wrapper's int workspace
@@ -106,7 +106,8 @@ class FlashInferBackend(AttentionBackend):
     every row into chunks and merges their partial results (flashinfer always splits in its
     CUDA-graph mode, so that the recorded merge kernel is right for any later context); off, each
     row's KV is read by one CTA per head group with no merge kernel: fewer kernels and no partial
-    outputs at short contexts, far less parallelism at long ones and small batches.
+    outputs at short contexts, far less parallelism at long ones and small batches. ``"auto"``
+    decides per captured shape (:meth:`graph_splits_kv`).
     """
 
     name = "flashinfer"
@@ -115,7 +116,7 @@ class FlashInferBackend(AttentionBackend):
                  max_pages_per_row: int | None = None, *, workspace_bytes: int = 256 << 20,
                  decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None,
                  fast_decode_plan: bool = False, fused_rope_store: bool = False,
-                 decode_graph_split_kv: bool = True) -> None:
+                 decode_graph_split_kv: bool | str = True) -> None:
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         self._fi = _import_flashinfer()
         dev = kv_cache.device
@@ -133,6 +134,8 @@ class FlashInferBackend(AttentionBackend):
         self.decode_use_tensor_cores = decode_use_tensor_cores
         self.fast_decode_plan = fast_decode_plan
         self.decode_graph_split_kv = decode_graph_split_kv
+        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        graph_decode_splits_kv(decode_graph_split_kv, 1, shape.num_kv_heads, self._num_sms)  # checks the setting
         self._rope_store = _fused_rope_store(shape.head_dim) if fused_rope_store else None
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
@@ -308,7 +311,7 @@ class FlashInferBackend(AttentionBackend):
             self._fast_plan(wrapper, rows, batch.seq_lens)
             self._num_q = rows
         else:
-            if wrapper.is_cuda_graph_enabled and self.decode_use_tensor_cores and not self.decode_graph_split_kv:
+            if wrapper.is_cuda_graph_enabled and self.decode_use_tensor_cores and not self.graph_splits_kv(rows):
                 common["disable_split_kv"] = True
             wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)
@@ -337,7 +340,12 @@ class FlashInferBackend(AttentionBackend):
             wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
             self._decode_qo_host[: rows + 1], self._host_views["kv_indptr"][: rows + 1], self._kv_lens_host[:rows],
             rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
-            False, -1, -1, not self.decode_graph_split_kv, 0, 0)
+            False, -1, -1, not self.graph_splits_kv(rows), 0, 0)
+
+    def graph_splits_kv(self, rows: int) -> bool:
+        """Whether the captured decode shape of ``rows`` rows splits each row's KV
+        (``decode_graph_split_kv``; "auto": :func:`graph_decode_splits_kv`)."""
+        return graph_decode_splits_kv(self.decode_graph_split_kv, rows, self.shape.num_kv_heads, self._num_sms)
 
     @property
     def fused_rope_store(self) -> bool:
