@@ -214,6 +214,7 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
                                                   prepared.logprobs))
         outs = await _results(jobs, metrics)
         choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
+                                      stop_reason=o.stop_reason,
                                       logprobs=completion_logprobs(tokenizer, o) if prepared.logprobs else None)
                    for j, o in zip(jobs, outs)]
         return JSONResponse(p.CompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
@@ -232,7 +233,7 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         outs = await _results(jobs, metrics)
         spelled = [chat_logprobs(tokenizer, o.token_ids, o.logprobs) if prepared.logprobs else None for o in outs]
         choices = [p.ChatChoice(index=j.index, message=p.ChatResponseMessage(content=o.text),
-                                finish_reason=o.finish_reason, logprobs=lp)
+                                finish_reason=o.finish_reason, stop_reason=o.stop_reason, logprobs=lp)
                    for j, o, lp in zip(jobs, outs, spelled)]
         return JSONResponse(p.ChatCompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                      usage=_usage(jobs, outs)).model_dump())

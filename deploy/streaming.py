@@ -228,7 +228,8 @@ def completion_stream(jobs, rid, created, model, settings: StreamSettings, metri
         if not ev.text and not ev.finished and lp is None:
             return None
         choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,
-                                    finish_reason=ev.finish_reason if ev.finished else None)
+                                    finish_reason=ev.finish_reason if ev.finished else None,
+                                    stop_reason=ev.stop_reason if ev.finished else None)
         return p.CompletionResponse(id=rid, created=created, model=model, choices=[choice])
 
     return _stream(jobs, metrics, chunk, (), p.CompletionResponse, rid, created, model, settings)
@@ -241,7 +242,8 @@ def chat_stream(jobs, rid, created, model, settings: StreamSettings, metrics, to
         if not ev.text and not ev.finished and lp is None:
             return None
         choice = p.ChatChunkChoice(index=job.index, delta=p.ChatDelta(content=ev.text or None), logprobs=lp,
-                                   finish_reason=ev.finish_reason if ev.finished else None)
+                                   finish_reason=ev.finish_reason if ev.finished else None,
+                                   stop_reason=ev.stop_reason if ev.finished else None)
         return p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
 
     opening = [p.ChatCompletionChunk(id=rid, created=created, model=model, choices=[

@@ -225,6 +225,7 @@ class FleetRequest:
             event = RequestEvent(self.request_id, [], "", True, reason, None, error, failure)
         self.deliver(event)
         out = RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids), self.text, reason,
-                            list(self.logprobs) if self.params.logprobs else None, self.moves, error, failure)
+                            list(self.logprobs) if self.params.logprobs else None, self.moves, error, failure,
+                            event.stop_reason)
         self.sink.put(out)
         return out

@@ -182,9 +182,24 @@ def test_stop_strings_and_streaming_text(checkpoint_dir):
     stopped = engine.generate(["The fleet"], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
     assert stopped.finish_reason == "stop" and stop not in stopped.text
     assert base.text.startswith(stopped.text)
+    assert stopped.stop_reason == stop and base.stop_reason is None  # vLLM's stop_reason: what matched
+    # Of two stop strings, the one found earlier in the text is the reason, whatever the list order.
+    later = base.text[-2:]  # first found after ``stop``'s first place (its own text ends before it)
+    assert base.text.find(later) > base.text.find(stop)
+    both = engine.generate(["The fleet"], SamplingParams(max_tokens=24, temperature=0, stop=[later, stop]))[0]
+    assert both.stop_reason == stop and both.text == stopped.text
     pieces = [ev.text for ev in engine.stream("The fleet", SamplingParams(max_tokens=24, temperature=0,
                                                                           ignore_eos=True))]
     assert "".join(pieces) == base.text
+    # A stop token id is the reason as an int; its event says so too.
+    k = next(i for i in range(1, len(base.token_ids)) if base.token_ids[i] not in base.token_ids[:i])
+    token = base.token_ids[k]
+    by_id = engine.generate(["The fleet"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                           stop_token_ids=[token]))[0]
+    assert (by_id.finish_reason, by_id.stop_reason, len(by_id.token_ids)) == ("stop", token, k + 1)
+    last = list(engine.stream("The fleet", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                          stop_token_ids=[token])))[-1]
+    assert last.finished and last.stop_reason == token
     assert engine.num_free_pages == free
 
 

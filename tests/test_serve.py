@@ -129,6 +129,14 @@ def test_completions_match_engine(client, reference):
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
+    assert r.choices[0].stop_reason == ids[k]  # vLLM's field: the stop token id (a stop string: the string)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]}))
+    ended = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(ended) == 1 and ended[0].finish_reason in ("stop", "length")
+    assert ended[0].stop_reason == (ids[k] if ended[0].finish_reason == "stop" else None)
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
 
 
 def _stream_texts(client, prompt, max_tokens):

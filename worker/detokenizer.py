@@ -37,6 +37,7 @@ class OutputText:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.emitted = 0  #: characters streamed so far
+        self.matched: str | None = None  #: the stop string that ended the text (the earliest found)
         self._done: list[str] = []  # text before ``_base``
         self._base = 0
         self._tail = ""  # text[_base:]; _base <= min(emitted, len(text) - holdback)
@@ -67,9 +68,10 @@ class OutputText:
         tail = self._tail = self._tail + piece
         # A match may start up to holdback characters before the piece (never before _base).
         search_from = max(0, before - self.holdback) - base
-        hits = [i for i in (tail.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((tail.find(s, search_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self._tail = tail[: min(hits)]
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            self._tail = tail[:at]
             return self.flush(), True
         end = base + len(tail)
         safe_end = max(self.emitted, end - self.holdback)

@@ -281,7 +281,8 @@ class Engine:
         req = self.requests[request_id]
         return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids),
                              self.output_processor.text(request_id), req.finish_reason,
-                             list(req.logprobs) if req.params.logprobs else None, req.num_preemptions)
+                             list(req.logprobs) if req.params.logprobs else None, req.num_preemptions,
+                             stop_reason=req.stop_reason)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping."""

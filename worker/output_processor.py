@@ -95,9 +95,13 @@ class OutputProcessor:
             req.first_token_time = time.monotonic()
             if len(req.output_ids) == 1 and req.scheduled_time is not None:  # its first token anywhere
                 phases = (req.scheduled_time - req.arrival_time, req.first_token_time - req.scheduled_time)
-        reason = None
-        if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
+        reason = stop_reason = None
+        if stopped:
+            reason, stop_reason = "stop", text.matched
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"  # the end of sequence: no stop_reason, as vLLM
+        elif token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         handoff = self._handoffs.pop(req.request_id, None) if self._handoffs else None
@@ -108,9 +112,10 @@ class OutputProcessor:
                                 phases=phases)
         if reason is not None:
             self.scheduler.finish(req, reason)
+            req.stop_reason = stop_reason
             delta += text.flush()
         return RequestEvent(req.request_id, [token], delta, reason is not None, reason,
-                            [logprob] if p.logprobs else None, phases=phases)
+                            [logprob] if p.logprobs else None, phases=phases, stop_reason=stop_reason)
 
     def fail_all(self, reason: str) -> list[RequestEvent]:
         """End every running and waiting request with an error (``reason`` kept in :attr:`errors`)."""

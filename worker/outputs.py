@@ -58,6 +58,9 @@ class RequestEvent:
     #: on the event of a request's first output token: (seconds it waited in the engine's queue,
     #: seconds from its first step to that token), as vLLM's request_queue/prefill_time_seconds
     phases: tuple[float, float] | None = None
+    #: on a finishing event: the stop string or stop token id that ended the request (vLLM's
+    #: ``stop_reason``; None for the end-of-sequence token, a length limit or an error)
+    stop_reason: str | int | None = None
 
 
 def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
@@ -66,15 +69,16 @@ def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
     return (tuple(e.request_id for e in events), tuple(e.token_ids for e in events), tuple(e.text for e in events),
             tuple(e.finished for e in events), tuple(e.finish_reason for e in events),
             tuple(e.logprobs for e in events), tuple(e.error for e in events),
-            tuple(None if e.failure is None else e.failure.value for e in events), tuple(e.phases for e in events))
+            tuple(None if e.failure is None else e.failure.value for e in events), tuple(e.phases for e in events),
+            tuple(e.stop_reason for e in events))
 
 
 def events_from_wire(columns: tuple) -> list[RequestEvent]:
     """The events :func:`events_to_wire` packed."""
-    ids, tokens, texts, finished, reasons, logprobs, errors, failures, phases = columns
-    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k), ph)
-            for i, t, x, f, r, lp, e, k, ph in zip(ids, tokens, texts, finished, reasons, logprobs, errors, failures,
-                                                   phases)]
+    ids, tokens, texts, finished, reasons, logprobs, errors, failures, phases, stops = columns
+    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k), ph, sr)
+            for i, t, x, f, r, lp, e, k, ph, sr in zip(ids, tokens, texts, finished, reasons, logprobs, errors,
+                                                       failures, phases, stops)]
 
 
 def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
@@ -86,7 +90,8 @@ def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
     # ``dataclasses.replace``, which inspects the fields on every call.
     f = events[0]
     merged = RequestEvent(f.request_id, list(f.token_ids), f.text, f.finished, f.finish_reason,
-                          None if f.logprobs is None else list(f.logprobs), f.error, f.failure, f.phases)
+                          None if f.logprobs is None else list(f.logprobs), f.error, f.failure, f.phases,
+                          f.stop_reason)
     for e in events[1:]:
         extend_event(merged, e)
     return merged
@@ -104,6 +109,7 @@ def extend_event(into: RequestEvent, later: RequestEvent) -> None:
             into.logprobs += later.logprobs
     into.finished, into.finish_reason, into.error, into.failure = (later.finished, later.finish_reason, later.error,
                                                                    later.failure)
+    into.stop_reason = later.stop_reason
     if into.phases is None:
         into.phases = later.phases
 
@@ -121,3 +127,4 @@ class RequestOutput:
     num_preemptions: int
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (RequestEvent's)

@@ -41,6 +41,7 @@ class Request:
     prefilling: bool = True
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when a step first took it from the waiting queue
