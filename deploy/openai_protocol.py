@@ -46,6 +46,7 @@ class _SamplingFields(_Request):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop_token_ids: list[StrictInt] | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     ignore_eos: StrictBool = False

@@ -35,6 +35,8 @@ __all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "PreparedReque
 
 #: Most token ids ``stop_token_ids`` may list (each sampled token is looked up in them).
 MAX_STOP_TOKEN_IDS = 64
+#: Most entries ``logit_bias`` may have (each is a scattered add on the device every step).
+MAX_LOGIT_BIAS = 1024
 #: Most choices one request may ask for: prompts times ``n``.
 MAX_CHOICES = 16
 #: Most stop sequences one request may give, and most characters in each (every generated token is
@@ -204,7 +206,31 @@ def _sampling_fields(req: p._SamplingFields, limits: PromptLimits) -> dict:
             raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})",
                            param="stop_token_ids")
         fields["stop_token_ids"] = tuple(ids)
+    if req.logit_bias:
+        fields["logit_bias"] = _logit_bias(req.logit_bias, limits)
     return fields
+
+
+def _logit_bias(bias: dict[str, float], limits: PromptLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as SamplingParams takes it; a 400 naming the field
+    for too many entries, an id that is no integer or not in the vocabulary, or a bias out of [-100, 100]."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= tok < limits.vocab_size:
+            raise ApiError(400, f"logit_bias: token id {tok} is outside the vocabulary [0, {limits.vocab_size})",
+                           param="logit_bias")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key}] must be in [-100, 100], got {value}", param="logit_bias")
+        pairs.append((tok, float(value)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ApiError(400, "logit_bias names a token id twice", param="logit_bias")
+    return tuple(pairs)
 
 
 # ----- prompts -----

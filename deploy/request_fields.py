@@ -1,8 +1,8 @@
 """Request fields beyond the ones this server serves: refused with a 400 naming them, or ignored on purpose.
 
 OpenAI's API and vLLM's extensions define fields this server does not implement yet. Dropping one
-silently would answer a different request than the one sent (a ``logit_bias`` that bans a token,
-a ``response_format`` asking for JSON), so a request that sets one of :data:`UNSUPPORTED` to anything
+silently would answer a different request than the one sent (a ``repetition_penalty``, a
+``response_format`` asking for JSON), so a request that sets one of :data:`UNSUPPORTED` to anything
 but its no-op value gets a 400 naming the field. :data:`IGNORED` are accepted and have no effect,
 each for the reason given (the README lists them). A field nobody here knows is ignored and logged
 once per name, as vLLM does: clients send vendor fields of other servers.
@@ -43,7 +43,6 @@ def _min_tokens(value: Any, body: Mapping[str, Any]) -> bool:
 #: field -> (whether a value is the field's no-op, what the server cannot do). OpenAI's fields first,
 #: then vLLM's extensions.
 UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
-    "logit_bias": (_empty, "token biases are not applied yet"),
     "suffix": (_empty, "insertion after the completion is not supported"),
     "best_of": (_one_of(1), "only one candidate a choice is generated (use n)"),
     "tools": (_empty, "tool calling is not supported"),

@@ -245,6 +245,7 @@ class Fleet:
         params = params or SamplingParams()
         ids = encode_prompt(prompt, self.tokenizer)
         self.prompt_limits.check(ids)
+        self.prompt_limits.check_params(params)
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:

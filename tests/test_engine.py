@@ -133,6 +133,12 @@ def test_too_long_prompt_rejected_engine_keeps_serving(checkpoint_dir):
         engine.add_request([1, 5000])
     with pytest.raises(RequestRejected, match="prompt is empty"):
         engine.add_request([])
+    with pytest.raises(RequestRejected, match=r"logit_bias token id 1024 outside the vocabulary \[0, 1024\)"):
+        engine.add_request([5, 6], SamplingParams(logit_bias={1024: 5.0}))  # on the device: an index past the logits
+    assert list(engine.requests) == [good]
+    forced = engine.generate([[5] * 10], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                        logit_bias={77: 100}))[0]
+    assert forced.token_ids == [77] * 4
     while engine.has_unfinished():
         engine.step()
     assert len(engine.output(good).token_ids) == 5

@@ -131,6 +131,12 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(llama):
     ({"prompt": "a", "stop_token_ids": [1, 4096]}, "stop_token_ids", "4096 is outside the vocabulary [0, 4096)"),
     ({"prompt": "a", "stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
     ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
+    ({"prompt": "a", "logit_bias": {"4096": 1}}, "logit_bias", "token id 4096 is outside the vocabulary [0, 4096)"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5] must be in [-100, 100], got 101"),
+    ({"prompt": "a", "logit_bias": {"5": 1, "05": 2}}, "logit_bias", "names a token id twice"),
+    ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
+    ({"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias.5", "Input should be"),
     ({"prompt": 5}, "prompt", "Input should be"),
 ])
 def test_each_bound_is_a_400_naming_its_field(llama, fields, param, needle):
@@ -139,7 +145,7 @@ def test_each_bound_is_a_400_naming_its_field(llama, fields, param, needle):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"5": 100}), ("suffix", "tail"), ("best_of", 2), ("response_format", {"type": "json_object"}),
+    ("suffix", "tail"), ("best_of", 2), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("repetition_penalty", 1.2), ("min_tokens", 5), ("skip_special_tokens", False),
     ("guided_json", {"type": "object"}), ("prompt_logprobs", 1), ("use_beam_search", True),
@@ -176,6 +182,11 @@ def test_penalties_out_of_range_get_the_range_and_in_range_ones_are_refused_as_u
     e = _refused("chat", _body(messages=[{"role": "user", "content": "a"}], **{field: -0.5}), llama)
     assert e.param == field and "not supported by this server yet" in e.message
     assert prepare("completions", _body(prompt="a", max_tokens=2, **{field: 0}), llama, LIMITS)
+
+
+def test_logit_bias_reaches_the_sampling_params(llama):
+    got = prepare("completions", _body(prompt="a", logit_bias={"9": -100, "3": 2.5}), llama, LIMITS)
+    assert got.choices[0][1].logit_bias == ((3, 2.5), (9, -100.0))
 
 
 def test_stop_token_ids_reach_the_sampling_params(llama):

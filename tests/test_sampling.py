@@ -301,6 +301,7 @@ _SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "mas
     ([SamplingParams(top_k=50), SamplingParams(top_k=20, top_p=0.9, min_p=0.1)], {"topk"}),
     ([SamplingParams(top_p=0.9), SamplingParams(temperature=0, logprobs=True)], {"sort"}),
     ([SamplingParams(top_k=50), SamplingParams()], {"sort"}),
+    ([SamplingParams(logit_bias={3: 5.0}), SamplingParams(temperature=0, logit_bias={7: -100})], set()),
 ])
 def test_sample_has_no_sync_ops_and_sorts_only_when_needed(params, sorts):
     """CPU stand-in for the CUDA check below: no op that reads device data back or has a data-dependent shape."""
@@ -320,9 +321,10 @@ def test_no_host_sync_on_cuda():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda")
     params = [SamplingParams(), SamplingParams(temperature=0, logprobs=True), SamplingParams(top_k=40),
-              SamplingParams(top_p=0.9, min_p=0.05), SamplingParams(min_p=0.1)]
+              SamplingParams(top_p=0.9, min_p=0.05), SamplingParams(min_p=0.1),
+              SamplingParams(temperature=0, logit_bias={5: 100, 9: -100})]
     logits = torch.randn(len(params), 152064, device=dev, dtype=torch.bfloat16)
-    for group in (params, params[:1], params[1:2], params[2:3], params[4:]):
+    for group in (params, params[:1], params[1:2], params[2:3], params[4:5], params[5:]):
         batch = SamplingBatch.build(group, list(range(len(group))), [3] * len(group), dev)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -333,8 +335,10 @@ def test_no_host_sync_on_cuda():
         tokens = out.token_ids.cpu()
         assert tokens.shape == (len(group),) and bool(((tokens >= 0) & (tokens < logits.shape[1])).all())
         for i, p in enumerate(group):
-            if p.greedy:
+            if p.greedy and not p.logit_bias:
                 assert tokens[i] == logits[i].float().argmax().cpu()
+            elif p.logit_bias:
+                assert tokens[i] == 5
 
 
 def test_rows_kept_for_the_same_batch_equal_rows_built_afresh():
@@ -363,3 +367,39 @@ def test_rows_kept_for_the_same_batch_equal_rows_built_afresh():
         SamplingBatch.build([a], [1], [True], CPU, rows=rows)
     with pytest.raises(ValueError, match="seed must be an int"):
         SamplingBatch.build([a], [1.5], [0], CPU, rows=rows)
+
+
+# ---------------------------------------------------------------- logit bias
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_forces_and_bans_tokens_and_leaves_other_rows_alone(temperature):
+    torch.manual_seed(3)
+    logits = torch.randn(6, 300) * 3
+    before = logits.clone()
+    plain = [SamplingParams(temperature=temperature, logprobs=True) for _ in range(6)]
+    top = logits.argmax(-1)
+    biased = list(plain)
+    biased[1] = SamplingParams(temperature=temperature, logprobs=True, logit_bias={7: 100})  # forces 7
+    biased[3] = SamplingParams(temperature=temperature, logprobs=True,
+                               logit_bias={int(top[3]): -100, 11: -100})  # bans row 3's favourite
+    ref, got = run(logits, plain), run(logits, biased)
+    assert torch.equal(logits, before)  # the caller's logits are not modified
+    assert got.token_ids[1] == 7 and got.token_ids[3] != top[3]
+    others = [0, 2, 4, 5]
+    assert torch.equal(got.token_ids[others], ref.token_ids[others])  # same seeds, same draws
+    # Log-probabilities are the raw ones (unbiased), as vLLM reports by default.
+    raw = logits.log_softmax(-1)
+    assert torch.allclose(got.logprobs, raw.gather(1, got.token_ids[:, None]).squeeze(1), atol=1e-6)
+    if temperature == 0:  # greedy with a ban: the next best token of the unbiased logits
+        assert got.token_ids[3] == logits[3].topk(2).indices[1]
+
+
+def test_a_biased_batch_with_every_row_greedy_stages_only_the_bias():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0, logit_bias={4: 100})] + [SamplingParams(temperature=0)] * 2
+    batch = SamplingBatch.build(params, [0, 1, 2], [0, 0, 0], CPU)
+    assert batch.all_greedy and batch.temperature is None and batch.bias is not None
+    rows, tokens, values = batch.bias
+    assert rows.tolist() == [0] and tokens.tolist() == [4] and values.tolist() == [100.0]
+    out = sample(logits, batch)
+    assert out.token_ids.tolist() == [4, *logits[1:].argmax(-1).tolist()]

@@ -41,6 +41,13 @@ from worker.sampling import SamplingParams, SamplingParamsError
     ({"logprobs": "yes"}, "logprobs must be a bool"),
     ({"n": 0}, "n must be >= 1, got 0"),
     ({"n": True}, "n must be an int"),
+    ({"logit_bias": {5: 101}}, "logit_bias[5] must be in [-100, 100], got 101"),
+    ({"logit_bias": {5: float("inf")}}, "logit_bias[5] must be a finite number"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias token id must be an int >= 0, got -1"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias token id must be an int >= 0, got '5'"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias has token id 5 twice"),
+    ({"logit_bias": [(5,)]}, "logit_bias entries must be (token id, bias) pairs"),
+    ({"logit_bias": 5}, "logit_bias must be a dict of token id to bias"),
 ])
 def test_params_validation(kwargs, message):
     with pytest.raises(SamplingParamsError) as err:
@@ -62,3 +69,10 @@ def test_params_normalisation_and_greedy():
     assert 0 <= SamplingParams().effective_seed() < 1 << 62
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 2.0  # type: ignore[misc]
+
+
+def test_logit_bias_is_normalised_to_sorted_pairs_and_hashable():
+    p = SamplingParams(logit_bias={9: -100, 3: 2})
+    assert p.logit_bias == ((3, 2.0), (9, -100.0))
+    assert p == SamplingParams(logit_bias=[(9, -100.0), (3, 2.0)]) and hash(p) == hash(SamplingParams(
+        logit_bias=((3, 2.0), (9, -100.0))))

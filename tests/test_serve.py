@@ -58,8 +58,8 @@ def reference(path):
     torch.set_num_threads(1)
     engine = Engine(load_config(None, [f"model.path={path}", *OVERRIDES]))
 
-    def generate(prompt, max_tokens: int = MAX_TOKENS):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    def generate(prompt, max_tokens: int = MAX_TOKENS, **sampling):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **sampling)
         return engine.generate([prompt], params)[0]
 
     yield generate
@@ -137,6 +137,15 @@ def test_completions_match_engine(client, reference):
     assert len(ended) == 1 and ended[0].finish_reason in ("stop", "length")
     assert ended[0].stop_reason == (ids[k] if ended[0].finish_reason == "stop" else None)
     assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    # logit_bias: +100 forces a token at every position, -100 bans the greedy first token; the engine
+    # with the same bias is the reference.
+    for bias in ({77: 100.0}, {ids[0]: -100.0}):
+        ref = reference(PROMPTS[0], max_tokens=3, logit_bias=bias)
+        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                      logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text
+    assert reference(PROMPTS[0], max_tokens=3, logit_bias={77: 100.0}).token_ids == [77] * 3
+    assert reference(PROMPTS[0], max_tokens=1, logit_bias={ids[0]: -100.0}).token_ids != ids[:1]
 
 
 def _stream_texts(client, prompt, max_tokens):
@@ -253,7 +262,8 @@ BAD = [
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
     ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop[0] must be a non-empty string"),
     ({"model": "tiny", "prompt": "hi", "logprobs": 5}, 400, "logprobs must be 0 or null"),
-    ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported by this server"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"5000": 100}}, 400, "token id 5000 is outside the vocabulary"),
+    ({"model": "tiny", "prompt": "hi", "suffix": "!"}, 400, "suffix is not supported by this server"),
     ({"model": "tiny", "prompt": "hi", "frequency_penalty": 5.0}, 400, "frequency_penalty must be in [-2, 2]"),
 ]
 BAD_CHAT = [

@@ -29,6 +29,15 @@ class TokenOutsideVocabulary(RequestRejected):
         self.token_id, self.vocab_size = token_id, vocab_size
 
 
+class BiasOutsideVocabulary(RequestRejected):
+    """A ``logit_bias`` token id that is not in ``[0, vocab_size)`` (on the device it would index
+    past the logits)."""
+
+    def __init__(self, token_id: int, vocab_size: int) -> None:
+        super().__init__(f"logit_bias token id {token_id} outside the vocabulary [0, {vocab_size})")
+        self.token_id, self.vocab_size = token_id, vocab_size
+
+
 class PromptTooLong(RequestRejected):
     """A prompt that leaves no room for one generated token within ``max_model_len``."""
 
@@ -64,3 +73,9 @@ class PromptLimits:
             raise TokenOutsideVocabulary(bad, self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise PromptTooLong(len(ids), self.max_model_len)
+
+    def check_params(self, params) -> None:
+        """Raise :class:`BiasOutsideVocabulary` for a ``logit_bias`` id this model does not have."""
+        bad = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise BiasOutsideVocabulary(bad, self.vocab_size)

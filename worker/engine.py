@@ -139,6 +139,7 @@ class Engine:
         params = params or SamplingParams()
         ids = encode_prompt(prompt, self.tokenizer)
         self.prompt_limits.check(ids)
+        self.prompt_limits.check_params(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
@@ -157,6 +158,7 @@ class Engine:
                  request_id: str, logprobs: Sequence[float]) -> Request:
         ids = [int(t) for t in prompt_ids]
         self.prompt_limits.check(ids)
+        self.prompt_limits.check_params(params)
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params, seed, next(self._arrivals))

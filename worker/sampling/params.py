@@ -59,6 +59,10 @@ class SamplingParams:
         stop_token_ids: token ids (>= 0) that end generation.
         ignore_eos: keep generating past the EOS token.
         logprobs: report the log-probability of each sampled token.
+        logit_bias: (token id, bias) pairs added to the logits before sampling, greedy included
+            (OpenAI's ``logit_bias``: -100 bans a token, +100 all but forces it); a dict
+            ``{token id: bias}`` is accepted. Ids >= 0, each once; biases finite, in [-100, 100].
+            Log-probabilities stay those of the unbiased logits (vLLM's raw log-probabilities).
         n: number of output sequences for the prompt, >= 1.
 
     Invalid values raise :class:`SamplingParamsError`. ``stop`` / ``stop_token_ids`` given as lists
@@ -76,6 +80,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -134,6 +139,26 @@ class SamplingParams:
 
         if _integer("n", self.n) < 1:
             raise SamplingParamsError(f"n must be >= 1, got {self.n!r}")
+
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else bias
+        if not isinstance(pairs, (list, tuple)):
+            raise SamplingParamsError(f"logit_bias must be a dict of token id to bias, got {type(bias).__name__}")
+        seen, normalised = set(), []
+        for pair in pairs:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise SamplingParamsError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+            tok, value = pair
+            if not _is_int(tok) or tok < 0:
+                raise SamplingParamsError(f"logit_bias token id must be an int >= 0, got {tok!r}")
+            if tok in seen:
+                raise SamplingParamsError(f"logit_bias has token id {tok} twice")
+            seen.add(tok)
+            v = _number(f"logit_bias[{tok}]", value)
+            if not -100 <= v <= 100:
+                raise SamplingParamsError(f"logit_bias[{tok}] must be in [-100, 100], got {value!r}")
+            normalised.append((int(tok), v))
+        put("logit_bias", tuple(sorted(normalised)))
 
     @property
     def greedy(self) -> bool:

@@ -23,8 +23,12 @@ whole life. Caveat: top-p uses float softmax/cumsum whose rounding may depend on
 GPU kernel chosen for the batch, so a token whose cumulative probability is within float32 rounding
 of top_p could in principle flip.
 
+Logit bias (OpenAI's ``logit_bias``) is added to the rows' logits before anything else, greedy
+rows included, as one ``index_put_`` of the batch's (row, token, bias) triples; a batch without
+bias runs no extra kernel.
+
 Logprobs are "raw" logprobs, as vLLM reports by default: ``log_softmax`` of the unscaled,
-unfiltered logits at the chosen token (not of the distribution actually sampled from).
+unfiltered, unbiased logits at the chosen token (not of the distribution actually sampled from).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class _HostRows:
     greedy: np.ndarray  # (B,) int64, 1 for greedy rows
     floats: np.ndarray  # (3B,) int32: float32 bits of temperature, top_p, min_p
     flags: tuple  # SamplingBatch's host flags, in its field order (all_greedy .. want_logprobs)
+    bias: np.ndarray | None = None  # (3, N) int64: row, token id, float32 bits of the bias; None: no bias
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], k_off: int) -> _HostRows:
@@ -87,11 +92,17 @@ class _HostRows:
         topk_width = None
         if needs_sort and all(g or k for g, k in zip(greedy, ks)) and max(enabled_k) <= _PARTIAL_SORT_MAX_K:
             topk_width = max(enabled_k)
+        triples = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias]
+        bias = None
+        if triples:
+            rows_, toks, values = zip(*triples)
+            bias = np.stack([np.array(rows_, dtype=np.int64), np.array(toks, dtype=np.int64),
+                             np.array(values, dtype=np.float32).view(np.int32).astype(np.int64)])
         return cls(np.array(top_ks, dtype=np.int64), np.array(greedy, dtype=np.int64),
                    # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
                    np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32),
                    (all(greedy), any(greedy), needs_sort, needs_top_p, any(m > 0 for m in min_ps), topk_width,
-                    any(logprobs)))
+                    any(logprobs)), bias)
 
 
 class SamplingRows:
@@ -124,6 +135,8 @@ class SamplingBatch:
         seeds: int64, the effective seed wrapped to two's complement (seeds equal mod 2**64 agree).
         steps: int64, index of the output token being generated (0 for the first).
         greedy_mask: bool.
+    ``bias``: None, or (row, token id, bias) of every logit bias entry of the batch: int64, int64,
+    float32 tensors of shape (N,) (present whether or not the rows are greedy).
     Host flags (decide which kernels run; never read from device data):
         all_greedy / any_greedy, needs_sort (some non-greedy row uses top-k or top-p),
         needs_top_p, needs_min_p, topk_width (if not None, every non-greedy row has
@@ -145,6 +158,7 @@ class SamplingBatch:
     needs_min_p: bool
     topk_width: int | None
     want_logprobs: bool
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -177,18 +191,27 @@ class SamplingBatch:
         if n and not -(1 << 63) <= min(seeds) <= max(seeds) < 1 << 63:
             wrapped = [(seed + (1 << 63)) % (1 << 64) - (1 << 63) for seed in seeds]
         host = rows.get(params, k_off) if rows is not None else _HostRows.of(params, k_off)
-        if host.flags[0]:  # all greedy: the argmax needs no per-row tensor
-            return cls(n, None, None, None, None, None, None, None, *host.flags)
+        extra = [] if host.bias is None else [host.bias.reshape(-1)]
+        if staging is None:
+            staging = PinnedStaging(device, capacity=7 * n + sum(a.size for a in extra), slots=2)
+        if host.flags[0]:  # all greedy: the argmax needs no per-row tensor (only the bias, if any)
+            bias = _bias(staging.stage(extra)[0]) if extra else None
+            return cls(n, None, None, None, None, None, None, None, *host.flags, bias=bias)
 
         packed = np.empty(7 * n, dtype=np.int64)
         packed[:n], packed[n:2 * n], packed[2 * n:3 * n] = host.top_ks, wrapped, steps
         packed[3 * n:4 * n], packed[4 * n:] = host.greedy, host.floats
-        if staging is None:
-            staging = PinnedStaging(device, capacity=7 * n, slots=2)
-        (dev,) = staging.stage([packed])
+        dev, *rest = staging.stage([packed, *extra])
         dev = dev.view(7, n)
         f = dev[4:].to(torch.int32).view(torch.float32)
-        return cls(n, f[0], dev[0], f[1], f[2], dev[1], dev[2], dev[3].bool(), *host.flags)
+        return cls(n, f[0], dev[0], f[1], f[2], dev[1], dev[2], dev[3].bool(), *host.flags,
+                   bias=_bias(rest[0]) if rest else None)
+
+
+def _bias(dev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, token ids, float32 biases) of a staged ``_HostRows.bias``."""
+    b = dev.view(3, -1)
+    return b[0], b[1], b[2].to(torch.int32).view(torch.float32)
 
 
 def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -262,8 +285,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         raise ValueError(f"logits must be (B={batch.size}, V), got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a floating tensor, got {logits.dtype}")
-    # ``raw`` may alias ``logits`` (float32 input): never modify it in place.
-    raw = logits if batch.all_greedy and not batch.want_logprobs else logits.to(torch.float32)
+    # ``raw`` may alias ``logits`` (float32 input): never modify it in place (a bias works on a copy).
+    if batch.bias is not None:
+        raw = logits.to(torch.float32, copy=True)
+        rows, tokens, values = batch.bias
+        raw.index_put_((rows, tokens), values, accumulate=True)
+    else:
+        raw = logits if batch.all_greedy and not batch.want_logprobs else logits.to(torch.float32)
     if batch.all_greedy:
         tokens = raw.argmax(dim=-1)  # upcasting is exact, so any float dtype gives the same argmax
     else:
@@ -283,5 +311,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
             tokens = torch.where(batch.greedy_mask, raw.argmax(dim=-1), tokens)
     logprobs = None
     if batch.want_logprobs:
-        logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
+        unbiased = raw if batch.bias is None else logits.to(torch.float32)
+        logprobs = unbiased.gather(1, tokens[:, None]).squeeze(1) - unbiased.logsumexp(dim=-1)
     return SampleOutput(tokens, logprobs)
