@@ -33,6 +33,27 @@ def checkpoint_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fresh_dynamo():
+    """torch.compile's state reset before and after a module: compiled code and its guards are
+    process-wide (graphs/piecewise.py), so a module starts clean and leaves nothing behind."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """A two-layer tiny-llama checkpoint (the compile tests' model: compiles in seconds on CPU)."""
+    import dataclasses
+
+    from worker.checkpoint import write_checkpoint
+    from worker.checkpoint.catalog import get_preset
+
+    preset = dataclasses.replace(get_preset("tiny-llama"), name="tiny-llama-2l", num_hidden_layers=2)
+    return write_checkpoint(preset, tmp_path_factory.mktemp("two-layers") / "tiny-llama-2l", seed=0)
+
+
+@pytest.fixture(scope="module")
 def ray_local(request):
     """A local CPU Ray on 127.0.0.1 for one module, with the module's ``RAY_CPUS`` logical CPUs (default 8)."""
     ray = pytest.importorskip("ray")

@@ -4,7 +4,6 @@ the worker wiring. No CUDA here: the compiled forward runs without graphs."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -17,27 +16,13 @@ from graphs.decode import DecodeGraphRunner
 from graphs.metrics import GraphMetrics
 from tests.graph_harness import eager_logits, fill_cache_randomly, random_decode_batch
 from tests.reference import OwnModel, rel_err
-from worker.checkpoint import write_checkpoint
-from worker.checkpoint.catalog import get_preset
 from worker.engine import Engine
 from worker.model_steps import CompiledDecodeStep
 from worker.sampling.params import SamplingParams
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # compiled code is process-wide
 LADDER = [1, 2, 4, 8]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()  # compiled code is process-wide (graphs/piecewise.py)
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture(scope="module")
-def two_layers(tmp_path_factory):
-    preset = dataclasses.replace(get_preset("tiny-llama"), name="tiny-llama-2l", num_hidden_layers=2)
-    return write_checkpoint(preset, tmp_path_factory.mktemp("tcf") / "tiny-llama-2l", seed=0)
 
 
 @pytest.fixture(scope="module")

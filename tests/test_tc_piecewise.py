@@ -3,7 +3,6 @@ fullgraph, and the worker wiring. No CUDA here: pieces run compiled, without gra
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -18,29 +17,13 @@ from graphs.prefill import PrefillGraphRunner
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_err
 from worker.attention.splitting import SPLITTING_OPS
-from worker.checkpoint import write_checkpoint
-from worker.checkpoint.catalog import get_preset
 from worker.engine import Engine
 from worker.model_steps import CompiledPrefillStep
 from worker.sampling.params import SamplingParams
 
 CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # compiled code is process-wide
 LADDER, SLOTS = [64, 128, 256, 512], 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_dynamo():
-    # Compiled code and its guards are process-wide (graphs/piecewise.py): start clean and
-    # leave nothing behind for later test modules.
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture(scope="module")
-def two_layers(tmp_path_factory):
-    preset = dataclasses.replace(get_preset("tiny-llama"), name="tiny-llama-2l", num_hidden_layers=2)
-    return write_checkpoint(preset, tmp_path_factory.mktemp("tc") / "tiny-llama-2l", seed=0)
 
 
 @pytest.fixture(scope="module")
