@@ -33,8 +33,9 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve import CPU_OVERRIDES, _free_port, _get, phase_means_ms, phase_sums, start_app, wait_healthy  # noqa: E402
+from bench.serve import CPU_OVERRIDES, phase_means_ms, phase_sums  # noqa: E402
 from bench.serve_load import random_prompts, run_load, summarize  # noqa: E402
+from bench.serve_start import _free_port, _get, start_app, wait_healthy  # noqa: E402
 
 COLUMNS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
            "completed", "failed", "ttft_mean_ms", "queue_mean_ms", "prefill_mean_ms", "preprocess_mean_ms",

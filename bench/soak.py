@@ -121,7 +121,7 @@ def keep_outcomes(outcomes: list[Outcome], faults: list[FaultRecord]) -> Path | 
 def main(argv: list[str] | None = None) -> int:
     from bench.common import environment, write_results
     from bench.engine import ensure_checkpoint
-    from bench.serve import start_app, wait_healthy
+    from bench.serve_start import start_app, wait_healthy
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tinyllama-1.1b")

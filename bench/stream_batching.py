@@ -33,15 +33,9 @@ import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
-from bench.serve import (  # noqa: E402
-    CPU_OVERRIDES,
-    _get,
-    in_process_decode,
-    start_serve,
-    step_wait_totals,
-    wait_healthy,
-)
+from bench.serve import CPU_OVERRIDES, in_process_decode, step_wait_totals  # noqa: E402
 from bench.serve_load import random_prompts, run_load, steady_decode_rate, summarize  # noqa: E402
+from bench.serve_start import _get, start_serve, wait_healthy  # noqa: E402
 
 
 def threads_cpu_s(title: str) -> dict[str, float]:

@@ -375,6 +375,12 @@ OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBac
                                            "tc_full": TcFullNoGraphBackend, "debug": DebugBackend}
 
 
+def compile_fallback(device: torch.device) -> str:
+    """The backend a compiled backend's phase captures with once its compile failed: ``full`` on
+    CUDA, ``debug`` (the runner path, no graph) off it."""
+    return "full" if device.type == "cuda" else "debug"
+
+
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
                    warm_up_in_pool: bool = True) -> GraphBackend:

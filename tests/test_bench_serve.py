@@ -1,4 +1,5 @@
-"""bench/serve.py attaches to any OpenAI-compatible server (``--url``): a peer whose ``/health`` answers
+"""bench/serve.py (its start-up in bench/serve_start.py) attaches to any OpenAI-compatible server
+(``--url``): a peer whose ``/health`` answers
 200 with an empty body (``vllm serve``) or plain text counts as healthy. ``--compare``'s Serve side:
 its steady decode rate and window diagnostics on hand-built records, the median/min/max over its
 runs, the cap on ``--compare-tokens``, and the client's CPU sampler through a stand-in SSE server."""
@@ -13,17 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.serve import (
-    aggregate_compare,
-    capped_compare_tokens,
-    gc_pause_totals,
-    gpu_sharing_overrides,
-    model_max_len,
-    parse_args,
-    placement_stuck,
-    wait_healthy,
-)
+from bench.serve import aggregate_compare, capped_compare_tokens, gc_pause_totals, model_max_len, parse_args
 from bench.serve_load import ClientCpu, RequestRecord, run_load, steady_decode_rate, window_diagnostics
+from bench.serve_start import gpu_sharing_overrides, placement_stuck, wait_healthy
 
 
 def _server(answers: list[tuple[int, bytes]]):

@@ -87,19 +87,14 @@ class CompiledDecodeStep(ModelDecodeStep):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.compile_error is None:
             try:
-                hidden = self.compiled(input_ids, positions)
-            except Exception as e:  # noqa: BLE001 - any compile failure falls back to the plain forward
-                if self.compiled.error is None and not isinstance(e, torch._dynamo.exc.TorchDynamoException):
-                    raise  # not a compile failure: the forward itself is broken
+                return self.model.compute_logits(self.compiled(input_ids, positions), dtype=None)
+            except torch._dynamo.exc.TorchDynamoException as e:  # a failed compile: the plain forward
                 self.compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.error("torch.compile of the decode forward failed; decode graphs capture the uncompiled "
                           "forward (as graphs.decode.backend=full): %s", self.compile_error)
                 if self.on_compile_failure is not None:
                     self.on_compile_failure(self.compile_error)
-                hidden = self.model(input_ids, positions, self._forward_attention)
-        else:
-            hidden = self.model(input_ids, positions, self._forward_attention)
-        return self.model.compute_logits(hidden, dtype=None)
+        return super().forward(input_ids, positions)
 
 
 class ModelPrefillStep(_ModelStep):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from graphs.backends import GraphBackend, create_backend
+from graphs.backends import GraphBackend, compile_fallback, create_backend
 from graphs.buckets import default_decode_ladder
 from graphs.budget import ReplanSummary, capture_within_budget
 from graphs.decode import DecodeGraphRunner
@@ -97,8 +97,7 @@ class Worker:
         self._last_sampled: torch.Tensor | None = None  # device tokens of the last step (async scheduling's inputs)
         self._readback = TokenReadback()  # a GPU step's tokens to the host
         self._launches = 0  # steps launched so far (a LaunchedStep's number)
-        self._tc_step: CompiledPrefillStep | None = None
-        self._tc_decode_step: CompiledDecodeStep | None = None
+        self._compiled_steps: dict[str, CompiledPrefillStep | CompiledDecodeStep] = {}  # phase -> its step
         self.budget_report = None  # graphs.budget.BudgetReport of a planned capture
         self._planned_at = BatchProfile()  # the live profile when the ladders were last planned
 
@@ -308,20 +307,23 @@ class Worker:
         if name == "full":
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
                         "with fixed request slots; breakable is the production default")
-        step = self._compiled_prefill_step() if name == "tc_piecewise" else \
+        step = self._compiled_step("prefill") if name == "tc_piecewise" else \
             ModelPrefillStep(self.model, self.attention, breakable=name != "full")
         return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder,
                                   p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
                                   self.dtype)
 
-    def _compiled_prefill_step(self) -> CompiledPrefillStep:
-        """The tc_piecewise step, built once: re-plans reuse its compile (dynamo caches per code
-        object, process-wide, and recompiling the same code counts against its recompile limit)."""
-        if self._tc_step is None:
-            log.info("graphs.prefill.backend=tc_piecewise: torch.compile(fullgraph=True) of the prefill forward, "
-                     "split at attention; the first capture compiles")
-            self._tc_step = CompiledPrefillStep(self.model, self.attention)
-        return self._tc_step
+    def _compiled_step(self, phase: str) -> CompiledPrefillStep | CompiledDecodeStep:
+        """The phase's torch.compile step (tc_piecewise prefill, tc_full decode), built once: re-plans
+        reuse its compile (dynamo caches per code object, process-wide, and recompiling the same code
+        counts against its recompile limit)."""
+        if phase not in self._compiled_steps:
+            log.info("graphs.%s.backend=%s: torch.compile(fullgraph=True) of the %s forward, split at "
+                     "attention; the first capture compiles", phase, getattr(self.config.graphs, phase).backend,
+                     phase)
+            cls = CompiledPrefillStep if phase == "prefill" else CompiledDecodeStep
+            self._compiled_steps[phase] = cls(self.model, self.attention)
+        return self._compiled_steps[phase]
 
     def _build_decode_runner(self, planner_candidates: bool, pool: tuple | None = None,
                              ) -> DecodeGraphRunner | EagerRunner:
@@ -330,29 +332,21 @@ class Worker:
         name, reason = self._graph_backend_name("decode")
         if name is None:
             return EagerRunner("decode", reason, self.graph_metrics)
-        if name == "tc_full" and self._tc_decode_step is not None and self._tc_decode_step.compile_error:
-            name = "full" if self.device.type == "cuda" else "debug"  # it failed before: not again
+        if name == "tc_full" and getattr(self._compiled_steps.get("decode"), "compile_error", None):
+            name = compile_fallback(self.device)  # it failed before: not again
         backend = self._graph_backend(name, pool)
         if name == "tc_full":
-            step = self._compiled_decode_step()
+            step = self._compiled_step("decode")
             step.on_compile_failure = lambda reason: self._decode_compile_failed(backend)
         else:
             step = ModelDecodeStep(self.model, self.attention, breakable=name == "breakable")
         return DecodeGraphRunner(step, backend, self._decode_ladder(planner_candidates),
                                  self.config.graphs.decode.padding, self.graph_metrics)
 
-    def _compiled_decode_step(self) -> CompiledDecodeStep:
-        """The tc_full step, built once (as :meth:`_compiled_prefill_step`)."""
-        if self._tc_decode_step is None:
-            log.info("graphs.decode.backend=tc_full: torch.compile(fullgraph=True) of the decode forward, "
-                     "attention an opaque op, one full graph per shape; the first capture compiles")
-            self._tc_decode_step = CompiledDecodeStep(self.model, self.attention)
-        return self._tc_decode_step
-
     def _decode_compile_failed(self, backend: GraphBackend) -> None:
         """The tc_full decode compile failed: the backend records the uncompiled forward from now on,
-        so its passes count as what they are (``full`` on CUDA, ``debug`` off it)."""
-        backend.name = "full" if backend.is_graph else "debug"
+        so its passes count as what they are."""
+        backend.name = compile_fallback(backend.device)
         self.graph_metrics.record_compile_failure("decode", backend.name)
 
     # ----- steps -----

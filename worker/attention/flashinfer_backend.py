@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, Rope
-from worker.attention.flashinfer_metadata import build_metadata, graph_decode_splits_kv
+from worker.attention.flashinfer_metadata import build_metadata, graph_decode_split_rows
 from worker.kv_cache import PagedKVCache
 
 INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own default for a wrapper's int workspace
@@ -134,8 +134,9 @@ class FlashInferBackend(AttentionBackend):
         self.decode_use_tensor_cores = decode_use_tensor_cores
         self.fast_decode_plan = fast_decode_plan
         self.decode_graph_split_kv = decode_graph_split_kv
-        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        graph_decode_splits_kv(decode_graph_split_kv, 1, shape.num_kv_heads, self._num_sms)  # checks the setting
+        # Decided once: captured decode shapes of fewer rows split the KV (checks the setting too).
+        self._split_rows = graph_decode_split_rows(decode_graph_split_kv, shape.num_kv_heads,
+                                                   torch.cuda.get_device_properties(dev).multi_processor_count)
         self._rope_store = _fused_rope_store(shape.head_dim) if fused_rope_store else None
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
@@ -344,8 +345,8 @@ class FlashInferBackend(AttentionBackend):
 
     def graph_splits_kv(self, rows: int) -> bool:
         """Whether the captured decode shape of ``rows`` rows splits each row's KV
-        (``decode_graph_split_kv``; "auto": :func:`graph_decode_splits_kv`)."""
-        return graph_decode_splits_kv(self.decode_graph_split_kv, rows, self.shape.num_kv_heads, self._num_sms)
+        (``decode_graph_split_kv``; "auto": :func:`graph_decode_split_rows`)."""
+        return rows < self._split_rows
 
     @property
     def fused_rope_store(self) -> bool:

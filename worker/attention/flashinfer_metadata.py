@@ -3,6 +3,8 @@ FlashInferBackend` writes into its pinned host twin before each ``plan``."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from worker.attention.base import AttentionBatch, locations_of, row_geometry
@@ -34,14 +36,20 @@ def build_metadata(batch: AttentionBatch, page_size: int
     return qo, kv, last, indices, locations_of(rows, seq, q, page_size, batch.num_tokens)
 
 
-def graph_decode_splits_kv(setting: bool | str, rows: int, num_kv_heads: int, num_sms: int) -> bool:
-    """Whether a captured decode shape of ``rows`` rows splits each row's KV (``setting``: True,
-    False, or ``"auto"``). Auto splits while one unsplit pass (a CTA per row and KV head) would leave
-    SMs idle, ``rows * num_kv_heads < num_sms``, and not once it fills them: measured on the H200 at
+def graph_decode_split_rows(setting: bool | str, num_kv_heads: int, num_sms: int) -> float:
+    """Captured decode shapes of fewer rows than this split each row's KV (``setting``: True, False,
+    or ``"auto"``). Auto splits while one unsplit pass (a CTA per row and KV head) would leave SMs
+    idle, ``rows * num_kv_heads < num_sms``, and not once it fills them: measured on the H200 at
     context 512 (decode-20261204T013500), no split was 4-5% faster at batch 64 and 256 on
     tinyllama-1.1b (4 KV heads), a wash on llama-3-8b (8), and 1.5-10% slower at batch 1 and 8."""
     if isinstance(setting, bool):
-        return setting
+        return math.inf if setting else 0
     if setting != "auto":
         raise ValueError(f"decode_graph_split_kv must be true, false or 'auto', got {setting!r}")
-    return rows * num_kv_heads < num_sms
+    return -(-num_sms // num_kv_heads)  # rows * heads < sms  <=>  rows < ceil(sms / heads)
+
+
+def graph_decode_splits_kv(setting: bool | str, rows: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a captured decode shape of ``rows`` rows splits each row's KV (see
+    :func:`graph_decode_split_rows`)."""
+    return rows < graph_decode_split_rows(setting, num_kv_heads, num_sms)

@@ -192,11 +192,12 @@ class SamplingBatch:
             wrapped = [(seed + (1 << 63)) % (1 << 64) - (1 << 63) for seed in seeds]
         host = rows.get(params, k_off) if rows is not None else _HostRows.of(params, k_off)
         extra = [] if host.bias is None else [host.bias.reshape(-1)]
+        if host.flags[0] and not extra:  # all greedy: the argmax needs no per-row tensor
+            return cls(n, None, None, None, None, None, None, None, *host.flags)
         if staging is None:
             staging = PinnedStaging(device, capacity=7 * n + sum(a.size for a in extra), slots=2)
-        if host.flags[0]:  # all greedy: the argmax needs no per-row tensor (only the bias, if any)
-            bias = _bias(staging.stage(extra)[0]) if extra else None
-            return cls(n, None, None, None, None, None, None, None, *host.flags, bias=bias)
+        if host.flags[0]:  # all greedy, with a bias: only the bias is staged
+            return cls(n, None, None, None, None, None, None, None, *host.flags, bias=_bias(staging.stage(extra)[0]))
 
         packed = np.empty(7 * n, dtype=np.int64)
         packed[:n], packed[n:2 * n], packed[2 * n:3 * n] = host.top_ks, wrapped, steps
