@@ -59,13 +59,28 @@ def _greedy_agrees(got: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
     return clear, len(diff) - clear
 
 
+def _fp32_twin(own: OwnModel, checkpoint_dir) -> OwnModel:
+    """The same checkpoint in float32 with torch attention over the same cache contents."""
+    exact = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.float32, device="cuda", backend="torch",
+                     num_pages=own.cache.num_pages, max_rows=320, max_pages_per_row=16)
+    exact.cache.kv.copy_(own.cache.kv)
+    return exact
+
+
 @pytest.mark.parametrize("attention", ["torch", "flashinfer"])
 @pytest.mark.parametrize("backend", ["full", "breakable", "tc_full"])
 def test_300_random_batches_match_eager(backend, attention, checkpoint_dir):
+    """full and breakable replay eager's kernels: their logits equal eager's up to bf16 noise and
+    greedy picks differ only at near-ties. tc_full's inductor pieces keep float32 between fused
+    element-wise ops where eager rounds to bf16, so it is held to a float32 reference instead: its
+    error there is no larger than eager's own (measured on the H200 at 5245830: 2.05e-2 relative L2
+    from eager at batch 17, 2.5% of greedy picks at near-ties, none with a clear margin)."""
     own = _own(checkpoint_dir, attention)
+    exact = _fp32_twin(own, checkpoint_dir) if backend == "tc_full" else None
     runner = _runner(own, backend)
     rng = random.Random(0)
     ties = rows = replayed = 0
+    err_got = err_eager = 0.0
     for _ in range(300):
         n = rng.randint(1, 300)
         batch = random_decode_batch(own, rng, n, 200)
@@ -76,11 +91,19 @@ def test_300_random_batches_match_eager(backend, attention, checkpoint_dir):
             continue
         got = runner.execute(batch.live, choice)
         replayed += 1
+        if exact is not None:
+            ref32 = eager_logits(exact, batch)
+            err_got, err_eager = err_got + rel_l2(got, ref32), err_eager + rel_l2(ref, ref32)
+            assert rel_l2(got, ref) <= 4e-2, f"{backend}/{attention}: batch {n}"
+            assert _greedy_agrees(got, ref32)[0] <= _greedy_agrees(ref, ref32)[0], f"batch {n}: clear misses"
+            continue
         assert rel_l2(got, ref) <= 2e-2, f"{backend}/{attention}: batch {n}"
         clear, tie = _greedy_agrees(got, ref)
         assert clear == 0, f"{backend}/{attention}: batch {n}: {clear} greedy tokens differ"
         ties, rows = ties + tie, rows + n
     assert replayed > 200 and ties <= rows // 500
+    if exact is not None:  # mean relative L2 from float32 over the replayed batches
+        assert err_got <= 1.1 * err_eager, f"tc_full {err_got / replayed:.4f} vs eager {err_eager / replayed:.4f}"
     assert sum(s.hits for s in runner.backend.shapes.values()) == replayed
     runner.release()
 
