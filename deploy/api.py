@@ -215,7 +215,8 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         outs = await _results(jobs, metrics)
         choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
                                       stop_reason=o.stop_reason,
-                                      logprobs=completion_logprobs(tokenizer, o) if prepared.logprobs else None)
+                                      logprobs=completion_logprobs(tokenizer, o.token_ids, o.logprobs)
+                                      if prepared.logprobs else None)
                    for j, o in zip(jobs, outs)]
         return JSONResponse(p.CompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
                                                  usage=_usage(jobs, outs)).model_dump())

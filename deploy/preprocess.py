@@ -27,7 +27,7 @@ from deploy.errors import ApiError
 from deploy.request_fields import UnsupportedField, check_fields
 from worker.admission import PromptLimits, PromptTooLong
 from worker.request import RequestRejected
-from worker.sampling.params import SamplingParams, SamplingParamsError
+from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 from worker.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_SEQUENCES", "PreparedRequest", "from_validation", "prepare",
@@ -71,16 +71,18 @@ def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptL
     if route == "completions":
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        if req.logprobs is not None and req.logprobs != 0:
-            raise ApiError(400, f"logprobs must be 0 or null (alternative tokens are not computed), "
-                                f"got {req.logprobs}", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {req.logprobs}",
+                           param="logprobs")
         _check_choices(_num_prompts(req.prompt), req.n)
         prompts = _completion_prompts(req.prompt, tokenizer, limits)
         max_tokens, emptied = req.max_tokens, {"prompt": []}
     else:
-        if req.top_logprobs:
-            raise ApiError(400, f"top_logprobs must be 0 or null (alternative tokens are not computed), "
-                                f"got {req.top_logprobs}", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {req.top_logprobs}",
+                           param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         _check_choices(1, req.n)
         prompts = [_chat_prompt(req.messages, tokenizer, limits)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -183,8 +185,11 @@ def _sampling_fields(req: p._SamplingFields, limits: PromptLimits) -> dict:
             raise ApiError(400, f"{name} must be in [-2, 2], got {value}", param=name)
         if value not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported by this server yet (must be 0 or null)", param=name)
-    logprobs = req.logprobs if isinstance(req, p.ChatCompletionRequest) else req.logprobs is not None
-    fields: dict[str, Any] = {"ignore_eos": req.ignore_eos, "logprobs": logprobs}
+    if isinstance(req, p.ChatCompletionRequest):
+        logprobs, top = req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0
+    else:
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
+    fields: dict[str, Any] = {"ignore_eos": req.ignore_eos, "logprobs": logprobs, "top_logprobs": top}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)

@@ -55,22 +55,55 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, out) -> p.CompletionLogprobs:
-    tokens = [_token_text(tokenizer, t) for t in out.token_ids]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return p.CompletionLogprobs(tokens=tokens, token_logprobs=list(out.logprobs or [None] * len(tokens)),
+#: vLLM's floor for a log-probability in a response (JSON has no -inf)
+_MIN_LOGPROB = -9999.0
+
+
+def _entry(entry) -> tuple[float | None, tuple]:
+    """(logprob, alternatives) of one token's entry in an event's ``logprobs``: a bare log-probability,
+    or ``(logprob, ((token id, logprob), ...))`` when the request asked for alternatives."""
+    if isinstance(entry, tuple):
+        return entry
+    return entry, ()
+
+
+def _clamped(lp: float | None) -> float | None:
+    return None if lp is None else max(lp, _MIN_LOGPROB)
+
+
+def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs, offset: int = 0) -> p.CompletionLogprobs:
+    """OpenAI's completions ``logprobs`` of ``token_ids``: each token's text, log-probability and
+    ``top_logprobs`` (the chosen token and the alternatives asked for, as vLLM), and text offsets
+    counted from ``offset`` (the text of the choice before these tokens)."""
+    entries = [_entry(e) for e in logprobs] if logprobs else [(None, ())] * len(token_ids)
+    tokens, chosen, tops, offsets = [], [], [], []
+    for t, (lp, top) in zip(token_ids, entries):
+        s = _token_text(tokenizer, t)
+        tokens.append(s)
+        chosen.append(_clamped(lp))
+        alternatives = {s: _clamped(lp)} if lp is not None else {}
+        for tid, tlp in top:
+            alternatives.setdefault(_token_text(tokenizer, tid), _clamped(tlp))
+        tops.append(alternatives)
+        offsets.append(offset)
+        offset += len(s)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=chosen, top_logprobs=tops if logprobs else None,
                                 text_offset=offsets)
 
 
 def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs) -> p.ChatLogprobs:
-    lps = list(logprobs or [None] * len(token_ids))
+    """OpenAI's chat ``logprobs.content`` of ``token_ids``: each token with its log-probability,
+    bytes and ``top_logprobs`` (the alternatives asked for, most likely first)."""
+    entries = [_entry(e) for e in logprobs] if logprobs else [(None, ())] * len(token_ids)
     items = []
-    for t, lp in zip(token_ids, lps):
+    for t, (lp, top) in zip(token_ids, entries):
         s = _token_text(tokenizer, t)
-        items.append(p.ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode())))
+        alternatives = []
+        for tid, tlp in top:
+            a = _token_text(tokenizer, tid)
+            alternatives.append({"token": a, "logprob": _clamped(tlp), "bytes": list(a.encode())})
+        items.append(p.ChatTokenLogprob(token=s, logprob=_clamped(lp), bytes=list(s.encode()),
+                                        top_logprobs=alternatives))
     return p.ChatLogprobs(content=items)
 
 
@@ -220,11 +253,13 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
 
 def completion_stream(jobs, rid, created, model, settings: StreamSettings, metrics, tokenizer,
                       want_logprobs) -> AsyncIterator[str]:
+    offsets: dict[int, int] = {}  # choice index -> characters of its tokens sent so far
+
     def chunk(job: Job, ev) -> BaseModel | None:
         lp = None
         if want_logprobs and ev.token_ids:
-            tokens = [_token_text(tokenizer, t) for t in ev.token_ids]
-            lp = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(ev.logprobs or [None] * len(tokens)))
+            lp = completion_logprobs(tokenizer, ev.token_ids, ev.logprobs, offsets.get(job.index, 0))
+            offsets[job.index] = lp.text_offset[-1] + len(lp.tokens[-1])
         if not ev.text and not ev.finished and lp is None:
             return None
         choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,

@@ -265,7 +265,8 @@ def test_fast_decode_plan_makes_flashinfers_own_plan(flashinfer, split_kv):
             outs.append(out[: len(seq_lens)].clone())
         info = list(fast._graph_wrappers[key]._plan_info)
         assert info == list(plain._graph_wrappers[key]._plan_info), seed
-        assert info[14] == int(fast.graph_splits_kv(rows)), "PrefillPlanInfo's split_kv (15th field) follows the setting"
+        split = int(fast.graph_splits_kv(rows))
+        assert info[14] == split, "PrefillPlanInfo's split_kv (its 15th field) follows the setting"
         assert torch.equal(outs[0], outs[1]), f"seed {seed}: the fast plan's replay differs"
         padded = AttentionBatch.decode(seq_lens + [1] * (rows - len(seq_lens)),
                                        batch.page_tables.tolist() + [[DUMMY]] * (rows - len(seq_lens)))

@@ -261,7 +261,7 @@ BAD = [
     ({"model": "tiny", "prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model 'gpt-4' does not exist"),
     ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "stop[0] must be a non-empty string"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 5}, 400, "logprobs must be 0 or null"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 25}, 400, "logprobs must be in [0, 20] or null"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"5000": 100}}, 400, "token id 5000 is outside the vocabulary"),
     ({"model": "tiny", "prompt": "hi", "suffix": "!"}, 400, "suffix is not supported by this server"),
     ({"model": "tiny", "prompt": "hi", "frequency_penalty": 5.0}, 400, "frequency_penalty must be in [-2, 2]"),

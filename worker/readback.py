@@ -1,7 +1,8 @@
 """A launched step's sampled tokens, from the device to the host: pinned slots, their events, the wait.
 
-:meth:`TokenReadback.copy` queues the copy of a step's tokens (and log-probabilities) into the next
-pinned slot and records the slot's two events behind it; :meth:`TokenReadback.wait` waits for them.
+:meth:`TokenReadback.copy` queues the copy of a step's tokens (log-probabilities and alternatives
+when asked for) into the next pinned slot and records the slot's two events behind it;
+:meth:`TokenReadback.wait` waits for them.
 Slots are reused round-robin: a slot comes back after three copies, by which time its step has been
 read (at most two steps are launched and unread).
 """
@@ -12,6 +13,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from worker.sampling.params import MAX_TOP_LOGPROBS
 
 #: How much earlier than a step is expected to finish its read-back stops sleeping and starts spinning.
 _SLEEP_MARGIN_S = 0.0002
@@ -24,6 +27,8 @@ class HostCopy:
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
     spinning: torch.cuda.Event
     sleeping: torch.cuda.Event
     key: tuple
@@ -45,19 +50,28 @@ class TokenReadback:
             cap = max(n, 2 * self._slots[0][0].shape[0] if self._slots else 1024)
             self._slots = [(torch.empty(cap, dtype=torch.int64, pin_memory=True),
                             torch.empty(cap, dtype=torch.float32, pin_memory=True),
+                            torch.empty(cap, MAX_TOP_LOGPROBS, dtype=torch.int64, pin_memory=True),
+                            torch.empty(cap, MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=True),
                             torch.cuda.Event(), torch.cuda.Event(blocking=True)) for _ in range(3)]
-        tokens, logprobs, spinning, sleeping = self._slots[self._next]
+        tokens, logprobs, top_ids, top_logprobs, spinning, sleeping = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
         tokens[:n].copy_(out.token_ids, non_blocking=True)
         if out.logprobs is not None:
             logprobs[:n].copy_(out.logprobs, non_blocking=True)
+        tops = out.top_ids is not None
+        if tops:
+            width = out.top_ids.shape[1]
+            top_ids, top_logprobs = top_ids[:n, :width], top_logprobs[:n, :width]
+            top_ids.copy_(out.top_ids, non_blocking=True)
+            top_logprobs.copy_(out.top_logprobs, non_blocking=True)
         spinning.record()
         sleeping.record()
-        return HostCopy(tokens[:n], logprobs[:n] if out.logprobs is not None else None, spinning, sleeping, key,
-                        launched)
+        return HostCopy(tokens[:n], logprobs[:n] if out.logprobs is not None else None,
+                        top_ids if tops else None, top_logprobs if tops else None, spinning, sleeping, key, launched)
 
-    def wait(self, copy: HostCopy, newest: bool) -> tuple[list[int], list[float] | None, float, float]:
-        """The copied tokens and log-probabilities, the seconds waited and the thread's CPU seconds in the wait.
+    def wait(self, copy: HostCopy, newest: bool) -> tuple[list[int], list[float] | None, tuple | None, float, float]:
+        """The copied tokens, log-probabilities and alternatives (``(ids, logprobs)``, lists of rows),
+        the seconds waited and the thread's CPU seconds in the wait.
 
         For the newest launch (nothing queued behind it: the device idles once it is done) the thread
         first sleeps for most of what the same shape of step has taken from its launch to its end,
@@ -86,7 +100,8 @@ class TokenReadback:
         if newest:
             self._expected[copy.key] = next_expected(expected, end - copy.launched, overslept)
         logprobs = copy.logprobs.tolist() if copy.logprobs is not None else None
-        return copy.tokens.tolist(), logprobs, end - begin, cpu_end - cpu
+        tops = None if copy.top_ids is None else (copy.top_ids.tolist(), copy.top_logprobs.tolist())
+        return copy.tokens.tolist(), logprobs, tops, end - begin, cpu_end - cpu
 
 
 def next_expected(expected: float | None, took: float, overslept: bool) -> float:

@@ -86,6 +86,9 @@ class StepResult:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    #: the sampled rows' most likely tokens, ``(ids, logprobs)``: two lists of rows of
+    #: ``MAX_TOP_LOGPROBS`` each, most likely first; None unless some row asked for alternatives
+    top_logprobs: tuple[list[list[int]], list[list[float]]] | None = None
     logits: object = None  # (sampled rows, vocab) float32 CPU tensor when return_logits
     rank_s: float = 0.0  # seconds the (first) rank spent in Worker.execute, timed on that rank
     wait_s: float = 0.0  # of which waiting for the device to finish the step (0 on a CPU)

@@ -173,10 +173,14 @@ class StepPipeline:
         execute_s = time.perf_counter() - waited
         landed = []
         logprobs = result.logprobs if result.logprobs is not None else [None] * len(result.token_ids)
-        for (req, preemptions), token, lp in zip(step.sampled, result.token_ids, logprobs):
+        tops = result.top_logprobs
+        for row, ((req, preemptions), token, lp) in enumerate(zip(step.sampled, result.token_ids, logprobs)):
             if req.finished or req.num_preemptions != preemptions:
                 continue  # ended or restarted after this step was sent: the token is not its
             req.num_pending -= 1
+            k = req.params.top_logprobs
+            if k and tops is not None:
+                lp = (lp, tuple(zip(tops[0][row][:k], tops[1][row][:k])))
             landed.append((req, token, lp))
         events = self.consumer.append_tokens(landed)
         self.allocator.release(step.held)

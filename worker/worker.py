@@ -383,13 +383,16 @@ class Worker:
             return StepResult(rank_s=step.launch_s)
         begin = time.perf_counter()
         if step.host is None:  # CPU: the step has run already
-            tokens = step.out.token_ids.tolist()
-            logprobs = step.out.logprobs.tolist() if step.out.logprobs is not None else None
+            out = step.out
+            tokens = out.token_ids.tolist()
+            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+            tops = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
             wait_s = wait_cpu_s = 0.0
         else:
-            tokens, logprobs, wait_s, wait_cpu_s = self._readback.wait(step.host, newest=step.number == self._launches)
+            tokens, logprobs, tops, wait_s, wait_cpu_s = self._readback.wait(step.host,
+                                                                             newest=step.number == self._launches)
             self.wait_metrics.record(wait_s, wait_cpu_s)
-        result = StepResult(tokens, logprobs, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
+        result = StepResult(tokens, logprobs, tops, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
         if step.logits is not None:
             result.logits = step.logits.cpu()
         result.rank_s = step.launch_s + time.perf_counter() - begin

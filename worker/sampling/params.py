@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 #: Temperatures below this are treated as greedy (as vLLM does), which also keeps ``logits / T`` finite.
 GREEDY_EPS = 1e-5
+#: Most alternatives a request may ask for per token (vLLM's default ``max_logprobs`` and OpenAI's
+#: limit); the sampler always takes this many when any row asks, so its kernels keep one shape.
+MAX_TOP_LOGPROBS = 20
 
 _SEED_MIN = -(1 << 63)
 _SEED_END = 1 << 64
@@ -59,6 +62,10 @@ class SamplingParams:
         stop_token_ids: token ids (>= 0) that end generation.
         ignore_eos: keep generating past the EOS token.
         logprobs: report the log-probability of each sampled token.
+        top_logprobs: also report the log-probabilities of this many most likely tokens at each
+            position, in [0, ``MAX_TOP_LOGPROBS``]; more than 0 needs ``logprobs``. A token's
+            entry is then ``(logprob, ((token id, logprob), ...))``, most likely first, instead
+            of the bare log-probability.
         logit_bias: (token id, bias) pairs added to the logits before sampling, greedy included
             (OpenAI's ``logit_bias``: -100 bans a token, +100 all but forces it); a dict
             ``{token id: bias}`` is accepted. Ids >= 0, each once; biases finite, in [-100, 100].
@@ -79,6 +86,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()
 
@@ -136,6 +144,10 @@ class SamplingParams:
 
         _boolean("ignore_eos", self.ignore_eos)
         _boolean("logprobs", self.logprobs)
+        if not 0 <= _integer("top_logprobs", self.top_logprobs) <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise SamplingParamsError("top_logprobs needs logprobs=True")
 
         if _integer("n", self.n) < 1:
             raise SamplingParamsError(f"n must be >= 1, got {self.n!r}")

@@ -29,6 +29,9 @@ bias runs no extra kernel.
 
 Logprobs are "raw" logprobs, as vLLM reports by default: ``log_softmax`` of the unscaled,
 unfiltered, unbiased logits at the chosen token (not of the distribution actually sampled from).
+When any row asks for alternatives (``top_logprobs``), every row gets the ``MAX_TOP_LOGPROBS``
+most likely tokens of the same distribution (one ``topk`` of one width whatever the rows asked,
+so the step's kernels keep their shapes); each request reads the first ones it asked for.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import numpy as np
 import torch
 
 from worker.host_staging import PinnedStaging
-from worker.sampling.params import SamplingParams
+from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["SampleOutput", "SamplingBatch", "sample"]
 
@@ -56,19 +59,24 @@ _TOKEN_SALT = 0x70C3A11D
 
 
 class SampleOutput(NamedTuple):
-    """Device tensors: ``token_ids`` (B,) int64; ``logprobs`` (B,) float32, None unless requested."""
+    """Device tensors: ``token_ids`` (B,) int64; ``logprobs`` (B,) float32, None unless requested;
+    ``top_ids`` (B, ``MAX_TOP_LOGPROBS``) int64 and ``top_logprobs`` (same shape, float32) the most
+    likely tokens, most likely first, None unless some row asked for alternatives."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 def _row_values(p: SamplingParams, k_off: int) -> tuple:
-    """(greedy, temperature, top_k, top_p, min_p, the row's enabled top-k or 0, logprobs) of one row,
-    as :meth:`SamplingBatch.build` lays them out: a greedy row holds the neutral values."""
+    """(greedy, temperature, top_k, top_p, min_p, the row's enabled top-k or 0, logprobs, top
+    logprobs) of one row, as :meth:`SamplingBatch.build` lays them out: a greedy row holds the
+    neutral values."""
     if p.greedy:
-        return 1, 1.0, k_off, math.inf, 0.0, 0, p.logprobs
+        return 1, 1.0, k_off, math.inf, 0.0, 0, p.logprobs, p.top_logprobs
     k = p.top_k if 0 < p.top_k < k_off else 0
-    return 0, p.temperature, k or k_off, p.top_p if p.top_p < 1.0 else math.inf, p.min_p, k, p.logprobs
+    return 0, p.temperature, k or k_off, p.top_p if p.top_p < 1.0 else math.inf, p.min_p, k, p.logprobs, p.top_logprobs
 
 
 @dataclass(frozen=True)
@@ -78,14 +86,14 @@ class _HostRows:
     top_ks: np.ndarray  # (B,) int64
     greedy: np.ndarray  # (B,) int64, 1 for greedy rows
     floats: np.ndarray  # (3B,) int32: float32 bits of temperature, top_p, min_p
-    flags: tuple  # SamplingBatch's host flags, in its field order (all_greedy .. want_logprobs)
+    flags: tuple  # SamplingBatch's host flags, in its field order (all_greedy .. want_top_logprobs)
     bias: np.ndarray | None = None  # (3, N) int64: row, token id, float32 bits of the bias; None: no bias
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], k_off: int) -> _HostRows:
         n = len(params)
-        greedy, temps, top_ks, top_ps, min_ps, ks, logprobs = (
-            zip(*[_row_values(p, k_off) for p in params]) if n else ((),) * 7)
+        greedy, temps, top_ks, top_ps, min_ps, ks, logprobs, tops = (
+            zip(*[_row_values(p, k_off) for p in params]) if n else ((),) * 8)
         enabled_k = [k for k in ks if k]
         needs_top_p = any(p < 1.0 for p in top_ps)
         needs_sort = bool(enabled_k) or needs_top_p
@@ -102,7 +110,7 @@ class _HostRows:
                    # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
                    np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32),
                    (all(greedy), any(greedy), needs_sort, needs_top_p, any(m > 0 for m in min_ps), topk_width,
-                    any(logprobs)), bias)
+                    any(logprobs), any(tops)), bias)
 
 
 class SamplingRows:
@@ -140,7 +148,8 @@ class SamplingBatch:
     Host flags (decide which kernels run; never read from device data):
         all_greedy / any_greedy, needs_sort (some non-greedy row uses top-k or top-p),
         needs_top_p, needs_min_p, topk_width (if not None, every non-greedy row has
-        top_k <= topk_width and a partial ``torch.topk`` replaces the full sort), want_logprobs.
+        top_k <= topk_width and a partial ``torch.topk`` replaces the full sort), want_logprobs,
+        want_top_logprobs (some row asked for alternatives: every row gets ``MAX_TOP_LOGPROBS``).
     """
 
     num_rows: int
@@ -158,6 +167,7 @@ class SamplingBatch:
     needs_min_p: bool
     topk_width: int | None
     want_logprobs: bool
+    want_top_logprobs: bool = False
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -310,8 +320,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
             tokens = s.argmax(dim=-1)
         if batch.any_greedy:
             tokens = torch.where(batch.greedy_mask, raw.argmax(dim=-1), tokens)
-    logprobs = None
+    logprobs = top_ids = top_logprobs = None
     if batch.want_logprobs:
         unbiased = raw if batch.bias is None else logits.to(torch.float32)
-        logprobs = unbiased.gather(1, tokens[:, None]).squeeze(1) - unbiased.logsumexp(dim=-1)
-    return SampleOutput(tokens, logprobs)
+        normaliser = unbiased.logsumexp(dim=-1)
+        logprobs = unbiased.gather(1, tokens[:, None]).squeeze(1) - normaliser
+        if batch.want_top_logprobs:
+            top_values, top_ids = unbiased.topk(min(MAX_TOP_LOGPROBS, unbiased.shape[-1]), dim=-1, sorted=True)
+            top_logprobs = top_values.sub_(normaliser[:, None])
+    return SampleOutput(tokens, logprobs, top_ids, top_logprobs)

@@ -1,0 +1,97 @@
+"""What log-probabilities cost an engine decode step: none, the chosen token's, and the top 20 on
+every row (issue 19: within 5% of none at batch 64).
+
+One engine per preset (decode graphs on, the default config otherwise); for each batch, B requests
+of ``--context`` prompt tokens are prefilled and whole engine steps (schedule, plan, replay,
+sample, read back, detokenize) are timed with the batch's rows asking for nothing, for logprobs
+and for logprobs with top_logprobs=20, in ``--rounds`` interleaved rounds (the variants see the
+same machine state); each variant's step is the median over its rounds. Usage (GPU machine):
+``python bench/logprobs.py [--presets ...] [--batches ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import environment, print_table, wall_times, write_results  # noqa: E402
+from bench.engine import ensure_checkpoint  # noqa: E402
+from deploy.config import load_config  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams  # noqa: E402
+
+VARIANTS = {"none": {}, "logprobs": {"logprobs": True},
+            "top20": {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS}}
+
+
+def step_seconds(engine: Engine, batch: int, context: int, repeats: int, fields: dict, g: torch.Generator) -> float:
+    """Median wall seconds of an engine decode step with ``batch`` requests sampling with ``fields``."""
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, **fields)
+    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
+           for _ in range(batch)]
+    while any(engine.requests[i].prefilling for i in ids):
+        engine.step()
+    times = wall_times(engine.step, repeats=repeats, warmup=3)
+    stats = list(engine.step_stats)[-repeats:]
+    assert all(s.phase == "decode" and s.batch_size == batch for s in stats), "a step that was not the batch's decode"
+    if fields.get("logprobs"):
+        req = engine.requests[ids[0]]
+        want = fields.get("top_logprobs", 0)
+        assert req.logprobs and (not want or len(req.logprobs[-1][1]) == want), "no log-probabilities came back"
+    for i in ids:
+        engine.abort(i)
+        engine.release(i)
+    return statistics.median(times)
+
+
+def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rounds: int) -> list[dict]:
+    max_b = max(batches)
+    pages = max_b * (-(-(context + (rounds * len(VARIANTS) + 1) * (repeats + 8)) // 16)) + 64
+    engine = Engine(load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"cache.num_pages={pages}",
+                                       f"scheduler.max_running_requests={max_b}",
+                                       f"graphs.decode.max_batch_size={max(256, max_b)}"]))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for _ in range(rounds):
+            for name, fields in VARIANTS.items():
+                seconds[name].append(step_seconds(engine, b, context, repeats, fields, g))
+        step = {v: statistics.median(s) for v, s in seconds.items()}
+        rows.append({"preset": path.name, "batch": b, "context": context,
+                     **{f"{v}_ms": step[v] * 1e3 for v in VARIANTS},
+                     "logprobs_over_none": step["logprobs"] / step["none"],
+                     "top20_over_none": step["top20"] / step["none"],
+                     "top20_over_none_per_round": [t / n for t, n in zip(seconds["top20"], seconds["none"])]})
+    del engine
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="tinyllama-1.1b,llama-3-8b")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    args = ap.parse_args()
+    rows = []
+    for preset in args.presets.split(","):
+        path = ensure_checkpoint(preset, Path(args.checkpoints))
+        rows += bench_preset(path, [int(b) for b in args.batches.split(",")], args.context, args.repeats, args.rounds)
+    print_table(rows, ["preset", "batch", "context", "none_ms", "logprobs_ms", "top20_ms", "logprobs_over_none",
+                       "top20_over_none"])
+    out = write_results("logprobs", {"env": environment(), "rows": rows, "args": vars(args)})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

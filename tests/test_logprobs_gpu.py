@@ -1,0 +1,64 @@
+"""Log-probabilities on the GPU: with decode graphs (async scheduling, the default) they equal the
+engine's with graphs off, in bf16, for greedy and seeded sampled rows that ask for the chosen
+token's log-probability, for the top 20, or for nothing, in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deploy.config import load_config
+from worker.engine import Engine
+from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
+
+pytestmark = pytest.mark.gpu
+ATOL = 0.05  # bf16 logits of a padded graph batch against the eager batch's: a few bf16 ulps
+
+
+def _engine(path, graphs: bool) -> Engine:
+    return Engine(load_config(None, [f"model.path={path}", "cache.num_pages=1024", "scheduler.max_running_requests=16",
+                                     "graphs.decode.max_batch_size=16", f"graphs.enabled={str(graphs).lower()}"]))
+
+
+def _agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.timeout(600)
+def test_logprobs_with_decode_graphs_equal_graphs_off(checkpoint_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = checkpoint_dir("tiny-llama")
+    prompts = [list(range(10, 14 + 7 * k)) for k in range(12)]
+    asks = [{}, {"logprobs": True}, {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS},
+            {"logprobs": True, "top_logprobs": 3}]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if k % 2 else 0.9, seed=k, ignore_eos=True,
+                             **asks[k % len(asks)]) for k in range(12)]
+    eager = _engine(path, graphs=False).generate(prompts, params)
+    graphs = _engine(path, graphs=True)
+    got = graphs.generate(prompts, params)
+    assert any(s.phase == "decode" for s in graphs.step_stats)
+    compared = 0
+    for k, (g, e, p) in enumerate(zip(got, eager, params)):
+        n = _agreeing_prefix(g.token_ids, e.token_ids)
+        assert n >= 8, f"request {k}: graphs and eager part after {n} tokens"
+        if not p.logprobs:
+            assert g.logprobs is None and e.logprobs is None
+            continue
+        for i in range(n + 1 if n < len(g.token_ids) else n):  # the first differing token's log-probs too
+            (glp, gtop), (elp, etop) = ((x, ()) if not isinstance(x, tuple) else x
+                                        for x in (g.logprobs[i], e.logprobs[i]))
+            if i < n:
+                assert glp == pytest.approx(elp, abs=ATOL), f"request {k}, token {i}"
+            assert len(gtop) == len(etop) == p.top_logprobs
+            assert [v for _, v in gtop] == pytest.approx([v for _, v in etop], abs=ATOL)
+            # ids agree wherever the eager values leave a gap wider than the tolerance
+            for j, (gid, eid) in enumerate(zip([t for t, _ in gtop], [t for t, _ in etop])):
+                gap = min((abs(etop[j][1] - etop[m][1]) for m in (j - 1, j + 1) if 0 <= m < len(etop)),
+                          default=1.0)
+                assert gid == eid or gap <= 2 * ATOL, f"request {k}, token {i}, rank {j}"
+            compared += 1
+    assert compared >= 100
