@@ -1,10 +1,11 @@
-"""What log-probabilities cost an engine decode step: none, the chosen token's, and the top 20 on
-every row (issue 19: within 5% of none at batch 64).
+"""What log-probabilities and penalties cost an engine decode step: none, the chosen token's, the
+top 20 on every row (issue 19: within 5% of none at batch 64), and presence, frequency and
+repetition penalties on every row.
 
 One engine per preset (decode graphs on, the default config otherwise); for each batch, B requests
 of ``--context`` prompt tokens are prefilled and whole engine steps (schedule, plan, replay,
-sample, read back, detokenize) are timed with the batch's rows asking for nothing, for logprobs
-and for logprobs with top_logprobs=20, in ``--rounds`` interleaved rounds (the variants see the
+sample, read back, detokenize) are timed with the batch's rows asking for nothing, for logprobs,
+for logprobs with top_logprobs=20 and for the three penalties, in ``--rounds`` interleaved rounds (the variants see the
 same machine state); each variant's step is the median over its rounds. Usage (GPU machine):
 ``python bench/logprobs.py [--presets ...] [--batches ...]``.
 """
@@ -27,7 +28,8 @@ from worker.engine import Engine  # noqa: E402
 from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams  # noqa: E402
 
 VARIANTS = {"none": {}, "logprobs": {"logprobs": True},
-            "top20": {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS}}
+            "top20": {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS},
+            "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}}
 
 
 def step_seconds(engine: Engine, batch: int, context: int, repeats: int, fields: dict, g: torch.Generator) -> float:
@@ -68,6 +70,7 @@ def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rou
                      **{f"{v}_ms": step[v] * 1e3 for v in VARIANTS},
                      "logprobs_over_none": step["logprobs"] / step["none"],
                      "top20_over_none": step["top20"] / step["none"],
+                     "penalties_over_none": step["penalties"] / step["none"],
                      "top20_over_none_per_round": [t / n for t, n in zip(seconds["top20"], seconds["none"])]})
     del engine
     torch.cuda.empty_cache()
@@ -87,8 +90,8 @@ def main() -> None:
     for preset in args.presets.split(","):
         path = ensure_checkpoint(preset, Path(args.checkpoints))
         rows += bench_preset(path, [int(b) for b in args.batches.split(",")], args.context, args.repeats, args.rounds)
-    print_table(rows, ["preset", "batch", "context", "none_ms", "logprobs_ms", "top20_ms", "logprobs_over_none",
-                       "top20_over_none"])
+    print_table(rows, ["preset", "batch", "context", "none_ms", "logprobs_ms", "top20_ms", "penalties_ms",
+                       "logprobs_over_none", "top20_over_none", "penalties_over_none"])
     out = write_results("logprobs", {"env": environment(), "rows": rows, "args": vars(args)})
     print(f"wrote {out}")
 

@@ -32,7 +32,7 @@ class StreamOptions(_Request):
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (``ignore_eos``, ``top_k``, ``min_p``,
-    ``stop_token_ids`` are vLLM's extensions)."""
+    ``stop_token_ids``, ``repetition_penalty`` are vLLM's extensions)."""
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -49,6 +49,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[StrictStr, Number] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
 

@@ -179,18 +179,13 @@ def _check_text_fits(text: str, tokenizer: Tokenizer, limits: PromptLimits, para
 
 def _sampling_fields(req: p._SamplingFields, limits: PromptLimits) -> dict:
     """SamplingParams fields of ``req`` but ``max_tokens`` (filled per prompt)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value is not None and not -2 <= value <= 2:
-            raise ApiError(400, f"{name} must be in [-2, 2], got {value}", param=name)
-        if value not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported by this server yet (must be 0 or null)", param=name)
     if isinstance(req, p.ChatCompletionRequest):
         logprobs, top = req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0
     else:
         logprobs, top = req.logprobs is not None, req.logprobs or 0
     fields: dict[str, Any] = {"ignore_eos": req.ignore_eos, "logprobs": logprobs, "top_logprobs": top}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)
     if req.stop is not None:

@@ -1,7 +1,7 @@
 """Request fields beyond the ones this server serves: refused with a 400 naming them, or ignored on purpose.
 
 OpenAI's API and vLLM's extensions define fields this server does not implement yet. Dropping one
-silently would answer a different request than the one sent (a ``repetition_penalty``, a
+silently would answer a different request than the one sent (a ``bad_words`` list, a
 ``response_format`` asking for JSON), so a request that sets one of :data:`UNSUPPORTED` to anything
 but its no-op value gets a 400 naming the field. :data:`IGNORED` are accepted and have no effect,
 each for the reason given (the README lists them). A field nobody here knows is ignored and logged
@@ -53,7 +53,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = {
     "audio": (_unset, "audio output is not supported"),
     "modalities": (_one_of(["text"]), "only text output is produced"),
     "prediction": (_unset, "predicted outputs are not supported"),
-    "repetition_penalty": (_one_of(1, 1.0), "repetition penalties are not applied yet"),
     "min_tokens": (_min_tokens, "a minimum length is not enforced (only ignore_eos without stop strings runs "
                                 "every choice to max_tokens)"),
     "bad_words": (_empty, "banned words are not supported"),

@@ -273,9 +273,19 @@ def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
     with Fleet.start(_config(path), mode="disaggregated", prefill_tp_size=2, decode_tp_size=2, name="tp2") as fleet:
         assert {v["tp_size"] for v in fleet.health()["groups"].values()} == {2}
         outs = fleet.generate(prompts, GREEDY, timeout_s=120)
+        # penalties and alternatives cross the hand-off and reach every rank in the step message
+        controlled = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, logprobs=True,
+                                    top_logprobs=3, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3)
+        got = fleet.generate(prompts[:3], controlled, timeout_s=120)
         _wait_until(lambda: _pages_back(fleet), 30, "pages back on both tp2 groups")
-    for got, want in zip(outs, reference(prompts)):
-        assert got.token_ids == want.token_ids and got.text == want.text
+    for o, want in zip(outs, reference(prompts)):
+        assert o.token_ids == want.token_ids and o.text == want.text
+    want = reference(prompts[:3], controlled)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [[t for t, _ in top] for o in got for _, top in o.logprobs] == \
+        [[t for t, _ in top] for o in want for _, top in o.logprobs]
+    assert [lp for o in got for lp, _ in o.logprobs] == pytest.approx([lp for o in want for lp, _ in o.logprobs],
+                                                                      abs=1e-4)
 
 
 # ----- concurrency and the router -----

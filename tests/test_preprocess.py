@@ -127,7 +127,8 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(llama):
     ({"prompt": "a", "max_tokens": 300}, "max_tokens", "at most"),
     ({"prompt": [1, 2, 5000]}, "prompt", "outside the vocabulary"),
     ({"prompt": list(range(1, 257))}, "prompt", "max_model_len is 256"),
-    ({"prompt": "a", "presence_penalty": 1.0}, "presence_penalty", "not supported"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100], got 0"),
     ({"prompt": "a", "stop_token_ids": [1, 4096]}, "stop_token_ids", "4096 is outside the vocabulary [0, 4096)"),
     ({"prompt": "a", "stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
     ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
@@ -147,7 +148,7 @@ def test_each_bound_is_a_400_naming_its_field(llama, fields, param, needle):
 @pytest.mark.parametrize("field, value", [
     ("suffix", "tail"), ("best_of", 2), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("repetition_penalty", 1.2), ("min_tokens", 5), ("skip_special_tokens", False),
+    ("min_tokens", 5), ("skip_special_tokens", False),
     ("guided_json", {"type": "object"}), ("prompt_logprobs", 1), ("use_beam_search", True),
 ])
 def test_a_field_this_server_cannot_honour_is_a_400_naming_it(llama, field, value):
@@ -176,12 +177,15 @@ def test_the_no_op_values_of_those_fields_and_the_ignored_ones_are_accepted(llam
 
 
 @pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
-def test_penalties_out_of_range_get_the_range_and_in_range_ones_are_refused_as_unserved(llama, field):
+def test_penalties_out_of_range_get_the_range_and_in_range_ones_reach_the_sampling_params(llama, field):
     e = _refused("completions", _body(prompt="a", **{field: 5.0}), llama)
     assert e.param == field and e.message == f"{field} must be in [-2, 2], got 5.0"
-    e = _refused("chat", _body(messages=[{"role": "user", "content": "a"}], **{field: -0.5}), llama)
-    assert e.param == field and "not supported by this server yet" in e.message
-    assert prepare("completions", _body(prompt="a", max_tokens=2, **{field: 0}), llama, LIMITS)
+    got = prepare("chat", _body(messages=[{"role": "user", "content": "a"}], **{field: -0.5}), llama, LIMITS)
+    assert getattr(got.choices[0][1], field) == -0.5 and got.choices[0][1].penalized
+    got = prepare("completions", _body(prompt="a", max_tokens=2, repetition_penalty=1.3), llama, LIMITS)
+    assert got.choices[0][1].repetition_penalty == 1.3
+    neutral = prepare("completions", _body(prompt="a", max_tokens=2, **{field: 0}), llama, LIMITS)
+    assert not neutral.choices[0][1].penalized
 
 
 def test_logit_bias_reaches_the_sampling_params(llama):

@@ -13,6 +13,7 @@ from graphs.runner import PhaseRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
+from worker.sampling.penalties import PenaltyHistory
 from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
 from worker.step_message import StepMessage
 
@@ -105,6 +106,8 @@ class ModelRunner:
             if not msg.logits_rows:
                 return None, None
             logits = self.model.compute_logits(hidden)
+        history = None if msg.penalties is None else PenaltyHistory.of(msg.penalties, msg.logits_rows,
+                                                                       msg.from_previous)
         sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging,
-                                 rows=self._sampling_rows)
+                                 rows=self._sampling_rows, history=history, input_ids=inputs.input_ids)
         return sample(logits, sb), logits

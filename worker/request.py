@@ -46,10 +46,17 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when a step first took it from the waiting queue
     first_token_time: float | None = None
+    _distinct_prompt: list[int] | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def distinct_prompt_ids(self) -> list[int]:
+        """The prompt's distinct token ids (computed once: what a repetition penalty counts)."""
+        if self._distinct_prompt is None:
+            self._distinct_prompt = sorted(set(self.prompt_ids))
+        return self._distinct_prompt
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """``token_ids[start:stop]`` without building the whole sequence (a decode step asks for one token)."""

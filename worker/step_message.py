@@ -35,6 +35,11 @@ class StepMessage:
     # (index into input_ids, row of the previous step's sampled tokens): input tokens the engine
     # has not read back yet (async scheduling); every rank takes them from its own last step.
     from_previous: list[tuple[int, int]] = field(default_factory=list)
+    # What the penalties of penalized sampled rows count (worker.sampling.penalties), None when no
+    # row is penalized: (the penalized sampled rows, then (sampled row, token id) columns of every
+    # output token read back so far and, for a repetition penalty, of each distinct prompt token).
+    # A token in flight is the row's input of this step and is taken on the device.
+    penalties: tuple[list[int], list[int], list[int], list[int], list[int]] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -50,7 +55,7 @@ class StepMessage:
         return (_unpack_step_message, (self.is_prefill, self.input_ids, self.positions, self.seq_lens, self.query_lens,
                                        self.page_tables, self.logits_rows,
                                        [_param_values(p) for p in unique.values()], index, self.seeds, self.steps,
-                                       self.return_logits, self.from_previous))
+                                       self.return_logits, self.from_previous, self.penalties))
 
     def attention_batch(self) -> AttentionBatch:
         """The step's attention batch over this message's own lists (not copied).
@@ -74,10 +79,11 @@ def _param_object(values: tuple) -> SamplingParams:
 
 
 def _unpack_step_message(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
-                         unique_params, param_index, seeds, steps, return_logits, from_previous) -> StepMessage:
+                         unique_params, param_index, seeds, steps, return_logits, from_previous,
+                         penalties) -> StepMessage:
     objects = [_param_object(v) for v in unique_params]
     return StepMessage(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
-                       [objects[i] for i in param_index], seeds, steps, return_logits, from_previous)
+                       [objects[i] for i in param_index], seeds, steps, return_logits, from_previous, penalties)
 
 
 @dataclass
@@ -102,8 +108,32 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
     A request with a token in flight (``num_pending``) gets a stand-in input (0) overwritten by the
     ranks from the previous step's sampled row ``previous_rows[id(request)]``.
     """
-    if not batch.is_prefill:
-        return _decode_message(batch, seeds, return_logits, previous_rows)
+    msg = (_decode_message if not batch.is_prefill else _prefill_message)(batch, seeds, return_logits, previous_rows)
+    penalized = [(row, req) for row, req in enumerate(r for r, s in zip(batch.requests, batch.sample) if s)
+                 if req.params.penalized]
+    if penalized:
+        msg.penalties = penalty_history(penalized)
+    return msg
+
+
+def penalty_history(penalized: list) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """:attr:`StepMessage.penalties` of ``(sampled row, request)`` pairs."""
+    out_rows: list[int] = []
+    out_tokens: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_tokens: list[int] = []
+    for row, req in penalized:
+        out_tokens.extend(req.output_ids)
+        out_rows.extend([row] * len(req.output_ids))
+        if req.params.repetition_penalty != 1:
+            distinct = req.distinct_prompt_ids()
+            prompt_tokens.extend(distinct)
+            prompt_rows.extend([row] * len(distinct))
+    return [row for row, _ in penalized], out_rows, out_tokens, prompt_rows, prompt_tokens
+
+
+def _prefill_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool,
+                     previous_rows: dict[int, int] | None) -> StepMessage:
     ids: list[int] = []
     positions: list[int] = []
     rows: list[int] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Temperatures below this are treated as greedy (as vLLM does), which also keeps ``logits / T`` finite.
 GREEDY_EPS = 1e-5
@@ -71,6 +71,12 @@ class SamplingParams:
             ``{token id: bias}`` is accepted. Ids >= 0, each once; biases finite, in [-100, 100].
             Log-probabilities stay those of the unbiased logits (vLLM's raw log-probabilities).
         n: number of output sequences for the prompt, >= 1.
+        presence_penalty: subtracted from the logit of every token the output has so far, in [-2, 2].
+        frequency_penalty: subtracted once per occurrence in the output so far, in [-2, 2].
+        repetition_penalty: > 0, at most 100; the logit of a token in the prompt or the output so far
+            is divided by it when positive and multiplied by it otherwise (1 disables it).
+            The penalties follow vLLM: after ``logit_bias``, before temperature, greedy rows
+            included; log-probabilities stay those of the raw logits.
 
     Invalid values raise :class:`SamplingParamsError`. ``stop`` / ``stop_token_ids`` given as lists
     are normalised to tuples and ints given for float fields to floats, so instances are hashable.
@@ -89,6 +95,11 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: derived: whether a presence, frequency or repetition penalty applies (read once per row and step)
+    penalized: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -171,6 +182,17 @@ class SamplingParams:
                 raise SamplingParamsError(f"logit_bias[{tok}] must be in [-100, 100], got {value!r}")
             normalised.append((int(tok), v))
         put("logit_bias", tuple(sorted(normalised)))
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _number(name, getattr(self, name))
+            if not -2 <= v <= 2:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            put(name, v)
+        r = _number("repetition_penalty", self.repetition_penalty)
+        if not 0 < r <= 100:
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        put("repetition_penalty", r)
+        put("penalized", self.presence_penalty != 0 or self.frequency_penalty != 0 or r != 1)
 
     @property
     def greedy(self) -> bool:

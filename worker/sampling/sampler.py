@@ -25,7 +25,8 @@ of top_p could in principle flip.
 
 Logit bias (OpenAI's ``logit_bias``) is added to the rows' logits before anything else, greedy
 rows included, as one ``index_put_`` of the batch's (row, token, bias) triples; a batch without
-bias runs no extra kernel.
+bias runs no extra kernel. Presence, frequency and repetition penalties come next
+(:mod:`worker.sampling.penalties`); a batch without them runs nothing for them either.
 
 Logprobs are "raw" logprobs, as vLLM reports by default: ``log_softmax`` of the unscaled,
 unfiltered, unbiased logits at the chosen token (not of the distribution actually sampled from).
@@ -47,6 +48,7 @@ import torch
 
 from worker.host_staging import PinnedStaging
 from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
+from worker.sampling.penalties import Penalties, PenaltyHistory, apply_penalties_
 
 __all__ = ["SampleOutput", "SamplingBatch", "sample"]
 
@@ -88,6 +90,9 @@ class _HostRows:
     floats: np.ndarray  # (3B,) int32: float32 bits of temperature, top_p, min_p
     flags: tuple  # SamplingBatch's host flags, in its field order (all_greedy .. want_top_logprobs)
     bias: np.ndarray | None = None  # (3, N) int64: row, token id, float32 bits of the bias; None: no bias
+    #: (3B,) int64: float32 bits of presence, frequency and repetition penalty; None: no row penalized
+    penalty_floats: np.ndarray | None = None
+    repetition_any: bool = False
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], k_off: int) -> _HostRows:
@@ -106,11 +111,17 @@ class _HostRows:
             rows_, toks, values = zip(*triples)
             bias = np.stack([np.array(rows_, dtype=np.int64), np.array(toks, dtype=np.int64),
                              np.array(values, dtype=np.float32).view(np.int32).astype(np.int64)])
+        penalty_floats = None
+        if any(p.penalized for p in params):
+            penalty_floats = np.array([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                                       [p.repetition_penalty for p in params]],
+                                      dtype=np.float32).reshape(-1).view(np.int32).astype(np.int64)
         return cls(np.array(top_ks, dtype=np.int64), np.array(greedy, dtype=np.int64),
                    # float32 bit patterns ride along as int64 (sign-extended int32) so one copy carries all.
                    np.array([temps, top_ps, min_ps], dtype=np.float32).reshape(-1).view(np.int32),
                    (all(greedy), any(greedy), needs_sort, needs_top_p, any(m > 0 for m in min_ps), topk_width,
-                    any(logprobs), any(tops)), bias)
+                    any(logprobs), any(tops)), bias, penalty_floats,
+                   any(p.repetition_penalty != 1 for p in params))
 
 
 class SamplingRows:
@@ -145,6 +156,8 @@ class SamplingBatch:
         greedy_mask: bool.
     ``bias``: None, or (row, token id, bias) of every logit bias entry of the batch: int64, int64,
     float32 tensors of shape (N,) (present whether or not the rows are greedy).
+    ``penalties``: None, or the batch's :class:`worker.sampling.penalties.Penalties` (present whether
+    or not the rows are greedy).
     Host flags (decide which kernels run; never read from device data):
         all_greedy / any_greedy, needs_sort (some non-greedy row uses top-k or top-p),
         needs_top_p, needs_min_p, topk_width (if not None, every non-greedy row has
@@ -169,6 +182,7 @@ class SamplingBatch:
     want_logprobs: bool
     want_top_logprobs: bool = False
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
 
     @property
     def size(self) -> int:
@@ -178,7 +192,8 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
               device: torch.device | str, *, vocab_size: int | None = None,
-              staging: PinnedStaging | None = None, rows: SamplingRows | None = None) -> SamplingBatch:
+              staging: PinnedStaging | None = None, rows: SamplingRows | None = None,
+              history: PenaltyHistory | None = None, input_ids: torch.Tensor | None = None) -> SamplingBatch:
         """Pack one row per request and copy it to ``device`` in a single (pinned, async) H2D copy
         (through ``staging``, the caller's ring of pinned buffers, when given). ``rows`` keeps each
         params object's row values from one step to the next (a request keeps its params).
@@ -186,6 +201,8 @@ class SamplingBatch:
         ``seeds[i]`` is request i's effective seed (its ``params.seed`` if set, otherwise one the
         caller drew once on the host); ``steps[i]`` is the number of output tokens it already has.
         ``vocab_size``, if given, lets top_k >= vocab_size count as disabled (skipping the sort).
+        ``history`` holds what penalized rows count (none: nothing counted yet) and ``input_ids``
+        the step's input ids on the device, where its in-flight tokens are.
         """
         n = len(params)
         if len(seeds) != n or len(steps) != n:
@@ -202,12 +219,18 @@ class SamplingBatch:
             wrapped = [(seed + (1 << 63)) % (1 << 64) - (1 << 63) for seed in seeds]
         host = rows.get(params, k_off) if rows is not None else _HostRows.of(params, k_off)
         extra = [] if host.bias is None else [host.bias.reshape(-1)]
+        if host.penalty_floats is not None:
+            history = history or PenaltyHistory.of(None, [], [])
+            if history.inflight_positions.size and input_ids is None:
+                raise ValueError("a penalized row has a token in flight: pass the step's input_ids")
+            extra += [host.penalty_floats, *history.parts()]
         if host.flags[0] and not extra:  # all greedy: the argmax needs no per-row tensor
             return cls(n, None, None, None, None, None, None, None, *host.flags)
         if staging is None:
             staging = PinnedStaging(device, capacity=7 * n + sum(a.size for a in extra), slots=2)
-        if host.flags[0]:  # all greedy, with a bias: only the bias is staged
-            return cls(n, None, None, None, None, None, None, None, *host.flags, bias=_bias(staging.stage(extra)[0]))
+        if host.flags[0]:  # all greedy, with a bias or penalties: only those are staged
+            rest = staging.stage(extra)
+            return cls(n, None, None, None, None, None, None, None, *host.flags, **_extras(host, rest, n, input_ids))
 
         packed = np.empty(7 * n, dtype=np.int64)
         packed[:n], packed[n:2 * n], packed[2 * n:3 * n] = host.top_ks, wrapped, steps
@@ -216,13 +239,23 @@ class SamplingBatch:
         dev = dev.view(7, n)
         f = dev[4:].to(torch.int32).view(torch.float32)
         return cls(n, f[0], dev[0], f[1], f[2], dev[1], dev[2], dev[3].bool(), *host.flags,
-                   bias=_bias(rest[0]) if rest else None)
+                   **_extras(host, rest, n, input_ids))
 
 
-def _bias(dev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, token ids, float32 biases) of a staged ``_HostRows.bias``."""
-    b = dev.view(3, -1)
-    return b[0], b[1], b[2].to(torch.int32).view(torch.float32)
+def _extras(host: _HostRows, staged: list[torch.Tensor], n: int, input_ids: torch.Tensor | None) -> dict:
+    """``bias`` and ``penalties`` of a batch from their staged device views (in build's order)."""
+    out: dict = {}
+    if host.bias is not None:
+        b = staged.pop(0).view(3, -1)
+        out["bias"] = (b[0], b[1], b[2].to(torch.int32).view(torch.float32))
+    if host.penalty_floats is not None:
+        floats, out_rows, out_tokens, prompt_rows, prompt_tokens, inflight_rows, inflight_positions = staged
+        f = floats.view(3, n).to(torch.int32).view(torch.float32)
+        inflight = (input_ids.index_select(0, inflight_positions) if inflight_positions.numel()
+                    else inflight_positions)
+        out["penalties"] = Penalties(f[0], f[1], f[2], out_rows, out_tokens, prompt_rows, prompt_tokens,
+                                     inflight_rows, inflight, host.repetition_any)
+    return out
 
 
 def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -296,11 +329,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         raise ValueError(f"logits must be (B={batch.size}, V), got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a floating tensor, got {logits.dtype}")
-    # ``raw`` may alias ``logits`` (float32 input): never modify it in place (a bias works on a copy).
-    if batch.bias is not None:
+    # ``raw`` may alias ``logits`` (float32 input): never modify it in place (bias and penalties
+    # work on a copy).
+    processed = batch.bias is not None or batch.penalties is not None
+    if processed:
         raw = logits.to(torch.float32, copy=True)
-        rows, tokens, values = batch.bias
-        raw.index_put_((rows, tokens), values, accumulate=True)
+        if batch.bias is not None:
+            rows, tokens, values = batch.bias
+            raw.index_put_((rows, tokens), values, accumulate=True)
+        if batch.penalties is not None:
+            apply_penalties_(raw, batch.penalties)
     else:
         raw = logits if batch.all_greedy and not batch.want_logprobs else logits.to(torch.float32)
     if batch.all_greedy:
@@ -322,7 +360,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
             tokens = torch.where(batch.greedy_mask, raw.argmax(dim=-1), tokens)
     logprobs = top_ids = top_logprobs = None
     if batch.want_logprobs:
-        unbiased = raw if batch.bias is None else logits.to(torch.float32)
+        unbiased = logits.to(torch.float32) if processed else raw
         normaliser = unbiased.logsumexp(dim=-1)
         logprobs = unbiased.gather(1, tokens[:, None]).squeeze(1) - normaliser
         if batch.want_top_logprobs:

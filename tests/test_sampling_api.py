@@ -1,8 +1,9 @@
-"""Log-probabilities with alternatives (issue 19 item 1, generated tokens), on CPU: the sampler's
-top-20 is ``log_softmax(logits).topk`` of the unbiased logits, whatever each row asked; the engine's
-entries and the API's completions and chat ``logprobs`` equal HF transformers' float32
-log-probabilities (rel 1e-4) for greedy and seeded sampled tokens; a stream carries the same
-tokens, values and offsets; bad values get a 400 naming the field."""
+"""Log-probabilities with alternatives and penalties through the engine and the API (issue 19
+items 1 and 2), on CPU: the sampler's top-20 is ``log_softmax(logits).topk`` of the unbiased
+logits, whatever each row asked; the engine's entries and the API's completions and chat
+``logprobs`` equal HF transformers' float32 log-probabilities (rel 1e-4) for greedy and seeded
+sampled tokens; a stream carries the same tokens, values and offsets; penalized greedy completions
+are the tokens HF's logits give under the penalty formula; bad values get a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from deploy.config import load_config
 from tests.reference import hf_logits
 from tests.serve_harness import OVERRIDES, start_local_serve
 from tests.serve_harness import http as _http
+from tests.test_penalties import hf_penalized_greedy
 from tests.test_sampling import run
 from worker.engine import Engine
 from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
@@ -164,11 +166,32 @@ def _greedy_ids(hf, prompt: list[int], n: int) -> list[int]:
     return ids
 
 
+def test_penalized_completions_and_chat_are_the_formulas_tokens(client, hf, tokenizer):
+    fields = {"presence_penalty": 1.2, "frequency_penalty": 0.8, "repetition_penalty": 1.3}
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+                                  presence_penalty=1.2, frequency_penalty=0.8)
+    want = hf_penalized_greedy(hf, PROMPT, SamplingParams(max_tokens=10, temperature=0, **fields))
+    assert r.choices[0].logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in want]
+    assert want != _greedy_ids(hf, PROMPT, 10)  # the penalties changed the output
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True),
+                                add_special_tokens=False)
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                       frequency_penalty=-1.5, extra_body={"ignore_eos": True})
+    want = hf_penalized_greedy(hf, chat_ids, SamplingParams(max_tokens=6, temperature=0, frequency_penalty=-1.5))
+    assert [c.token for c in r.choices[0].logprobs.content] == [
+        tokenizer.decode([t], skip_special_tokens=False) for t in want]
+
+
 @pytest.mark.parametrize(("route", "body", "param", "message"), [
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20] or null, got 21"),
     ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      "top_logprobs must be in [0, 20] or null, got 21"),
     ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs"),
+    ("completions", {"prompt": "hi", "repetition_penalty": -1}, "repetition_penalty",
+     "repetition_penalty must be in (0, 100], got -1"),
+    ("chat/completions", {"messages": MESSAGES, "presence_penalty": 3}, "presence_penalty",
+     "presence_penalty must be in [-2, 2], got 3"),
 ])
 def test_bad_logprobs_get_a_400_naming_the_field(server, route, body, param, message):
     status, answer, _ = _http("POST", f"{server}/v1/{route}", {"model": "tiny", "max_tokens": 2, **body})

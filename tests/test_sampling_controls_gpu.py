@@ -1,6 +1,6 @@
-"""Log-probabilities on the GPU: with decode graphs (async scheduling, the default) they equal the
-engine's with graphs off, in bf16, for greedy and seeded sampled rows that ask for the chosen
-token's log-probability, for the top 20, or for nothing, in one batch."""
+"""Log-probabilities and penalties on the GPU: with decode graphs (async scheduling, the default)
+they equal the engine's with graphs off, in bf16, for greedy and seeded sampled rows that ask for
+the chosen token's log-probability, for the top 20, for penalties, or for nothing, in one batch."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ def test_logprobs_with_decode_graphs_equal_graphs_off(checkpoint_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     path = checkpoint_dir("tiny-llama")
-    prompts = [list(range(10, 14 + 7 * k)) for k in range(12)]
     asks = [{}, {"logprobs": True}, {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS},
-            {"logprobs": True, "top_logprobs": 3}]
+            {"logprobs": True, "top_logprobs": 3},
+            {"logprobs": True, "presence_penalty": 1.5, "frequency_penalty": 0.7, "repetition_penalty": 1.4}]
     params = [SamplingParams(max_tokens=24, temperature=0.0 if k % 2 else 0.9, seed=k, ignore_eos=True,
-                             **asks[k % len(asks)]) for k in range(12)]
+                             **asks[k % len(asks)]) for k in range(15)]
+    prompts = [list(range(10, 14 + 7 * k)) for k in range(15)]
     eager = _engine(path, graphs=False).generate(prompts, params)
     graphs = _engine(path, graphs=True)
     got = graphs.generate(prompts, params)
