@@ -59,11 +59,11 @@ def _token_text(tokenizer, token_id: int) -> str:
 _MIN_LOGPROB = -9999.0
 
 
-def _entry(entry) -> tuple[float | None, tuple]:
-    """(logprob, alternatives) of one token's entry in an event's ``logprobs``: a bare log-probability,
-    or ``(logprob, ((token id, logprob), ...))`` when the request asked for alternatives."""
+def _entry(entry) -> tuple[float | None, zip | tuple]:
+    """(logprob, (token id, logprob) pairs of the alternatives) of one token's entry in an event's
+    ``logprobs``: a bare log-probability, or ``(logprob, ids, logprobs)`` with alternatives."""
     if isinstance(entry, tuple):
-        return entry
+        return entry[0], zip(entry[1], entry[2])
     return entry, ()
 
 

@@ -282,10 +282,9 @@ def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
         assert o.token_ids == want.token_ids and o.text == want.text
     want = reference(prompts[:3], controlled)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [[t for t, _ in top] for o in got for _, top in o.logprobs] == \
-        [[t for t, _ in top] for o in want for _, top in o.logprobs]
-    assert [lp for o in got for lp, _ in o.logprobs] == pytest.approx([lp for o in want for lp, _ in o.logprobs],
-                                                                      abs=1e-4)
+    assert [ids for o in got for _, ids, _ in o.logprobs] == [ids for o in want for _, ids, _ in o.logprobs]
+    assert [lp for o in got for lp, _, _ in o.logprobs] == pytest.approx(
+        [lp for o in want for lp, _, _ in o.logprobs], abs=1e-4)
 
 
 # ----- concurrency and the router -----

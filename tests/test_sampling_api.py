@@ -65,14 +65,14 @@ def _hf_steps(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 
 def _assert_entries(entries, output: list[int], ref: torch.Tensor, k: int) -> None:
-    """Engine entries ``(logprob, ((id, logprob), ...))`` against HF's log-probabilities ``ref``."""
+    """Engine entries ``(logprob, ids, logprobs)`` against HF's log-probabilities ``ref``."""
     assert len(entries) == len(output) == ref.shape[0]
     for i, (entry, token) in enumerate(zip(entries, output)):
-        lp, top = entry
+        lp, ids, values = entry
         assert lp == pytest.approx(ref[i, token].item(), rel=1e-4), f"position {i}"
         want = ref[i].topk(k)
-        assert [t for t, _ in top] == want.indices.tolist(), f"position {i}"
-        assert [v for _, v in top] == pytest.approx(want.values.tolist(), rel=1e-4)
+        assert ids == want.indices.tolist(), f"position {i}"
+        assert values == pytest.approx(want.values.tolist(), rel=1e-4)
 
 
 def test_the_sampler_returns_the_top_20_of_the_unbiased_logits_for_every_row_when_one_asks():
@@ -116,7 +116,7 @@ def test_engine_entries_equal_hf_for_greedy_and_sampled_tokens(path, hf):
         _assert_entries(out.logprobs, out.token_ids, _hf_steps(hf, out.prompt_token_ids, out.token_ids),
                         params.top_logprobs)
     assert outs[2].token_ids == outs[0].token_ids  # a row without alternatives in the same batch
-    assert outs[2].logprobs == pytest.approx([lp for lp, _ in outs[0].logprobs], abs=1e-6)
+    assert outs[2].logprobs == pytest.approx([lp for lp, _, _ in outs[0].logprobs], abs=1e-6)
 
 
 def test_completions_and_chat_logprobs_equal_hf(client, server, hf, tokenizer):

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from worker.page_table import PageTable
 from worker.sampling.params import SamplingParams
 
@@ -46,17 +48,31 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when a step first took it from the waiting queue
     first_token_time: float | None = None
-    _distinct_prompt: list[int] | None = field(default=None, repr=False)
+    _distinct_prompt: np.ndarray | None = field(default=None, repr=False)
+    _outputs: np.ndarray | None = field(default=None, repr=False)
+    _outputs_len: int = field(default=0, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def distinct_prompt_ids(self) -> list[int]:
-        """The prompt's distinct token ids (computed once: what a repetition penalty counts)."""
+    def distinct_prompt_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids, int64 (computed once: what a repetition penalty counts)."""
         if self._distinct_prompt is None:
-            self._distinct_prompt = sorted(set(self.prompt_ids))
+            self._distinct_prompt = np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
         return self._distinct_prompt
+
+    def output_array(self) -> np.ndarray:
+        """``output_ids`` as an int64 array view, kept in a buffer that grows with the outputs (a
+        penalized request's step message carries them every step: a step costs O(new tokens))."""
+        buf, have, n = self._outputs, self._outputs_len, len(self.output_ids)
+        if buf is None or have > n or n > len(buf):
+            buf, have = np.empty(max(64, 2 * n), dtype=np.int64), 0
+            self._outputs = buf
+        if have < n:
+            buf[have:n] = self.output_ids[have:n]
+            self._outputs_len = n
+        return buf[:n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """``token_ids[start:stop]`` without building the whole sequence (a decode step asks for one token)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
+import numpy as np
+
 from worker.attention.base import AttentionBatch
 from worker.page_table import PageRows
 from worker.sampling.params import SamplingParams
@@ -39,7 +41,7 @@ class StepMessage:
     # row is penalized: (the penalized sampled rows, then (sampled row, token id) columns of every
     # output token read back so far and, for a repetition penalty, of each distinct prompt token).
     # A token in flight is the row's input of this step and is taken on the device.
-    penalties: tuple[list[int], list[int], list[int], list[int], list[int]] | None = None
+    penalties: tuple | None = None  # (rows, then int64 arrays: output rows, tokens, prompt rows, tokens)
 
     @property
     def num_requests(self) -> int:
@@ -116,20 +118,20 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
     return msg
 
 
-def penalty_history(penalized: list) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-    """:attr:`StepMessage.penalties` of ``(sampled row, request)`` pairs."""
-    out_rows: list[int] = []
-    out_tokens: list[int] = []
-    prompt_rows: list[int] = []
-    prompt_tokens: list[int] = []
-    for row, req in penalized:
-        out_tokens.extend(req.output_ids)
-        out_rows.extend([row] * len(req.output_ids))
-        if req.params.repetition_penalty != 1:
-            distinct = req.distinct_prompt_ids()
-            prompt_tokens.extend(distinct)
-            prompt_rows.extend([row] * len(distinct))
-    return [row for row, _ in penalized], out_rows, out_tokens, prompt_rows, prompt_tokens
+def penalty_history(penalized: list) -> tuple:
+    """:attr:`StepMessage.penalties` of ``(sampled row, request)`` pairs: the rows, then int64 arrays
+    (a request keeps its outputs and distinct prompt ids as arrays, so a step concatenates them)."""
+    rows = [row for row, _ in penalized]
+    outputs = [req.output_array() for _, req in penalized]
+    prompts = [(row, req.distinct_prompt_ids()) for row, req in penalized if req.params.repetition_penalty != 1]
+
+    def columns(row_ids: list[int], arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        if not arrays:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return (np.repeat(np.asarray(row_ids, dtype=np.int64), [len(a) for a in arrays]),
+                np.concatenate(arrays))
+
+    return (rows, *columns(rows, outputs), *columns([r for r, _ in prompts], [a for _, a in prompts]))
 
 
 def _prefill_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool,

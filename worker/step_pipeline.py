@@ -180,7 +180,7 @@ class StepPipeline:
             req.num_pending -= 1
             k = req.params.top_logprobs
             if k and tops is not None:
-                lp = (lp, tuple(zip(tops[0][row][:k], tops[1][row][:k])))
+                lp = (lp, tops[0][row][:k], tops[1][row][:k])
             landed.append((req, token, lp))
         events = self.consumer.append_tokens(landed)
         self.allocator.release(step.held)

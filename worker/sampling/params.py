@@ -64,8 +64,8 @@ class SamplingParams:
         logprobs: report the log-probability of each sampled token.
         top_logprobs: also report the log-probabilities of this many most likely tokens at each
             position, in [0, ``MAX_TOP_LOGPROBS``]; more than 0 needs ``logprobs``. A token's
-            entry is then ``(logprob, ((token id, logprob), ...))``, most likely first, instead
-            of the bare log-probability.
+            entry is then ``(logprob, ids, logprobs)`` (the alternatives, most likely first)
+            instead of the bare log-probability.
         logit_bias: (token id, bias) pairs added to the logits before sampling, greedy included
             (OpenAI's ``logit_bias``: -100 bans a token, +100 all but forces it); a dict
             ``{token id: bias}`` is accepted. Ids >= 0, each once; biases finite, in [-100, 100].
