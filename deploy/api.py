@@ -30,6 +30,7 @@ from deploy.preprocess import PreparedRequest, from_validation, rejected
 from deploy.preprocess_pool import Preprocessor
 from deploy.stream_pacing import StreamPacer
 from deploy.streaming import (
+    Echo,
     Job,
     StreamSettings,
     abort_unfinished,
@@ -209,17 +210,27 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         req = prepared.request
         jobs = _submit(fleet, prepared, "prompt", serve_cfg.request_timeout_s, metrics, arrived)
         rid, t0 = p.new_id("cmpl"), p.now()
+        echo = None
+        if prepared.echo_texts is not None:
+            at = [i for i, _ in prepared.choices]
+            echo = Echo({j.index: prepared.echo_texts[at[j.index]] for j in jobs},
+                        {j.index: prepared.prompts[at[j.index]] for j in jobs}, prepared.prompt_only)
         if req.stream:
             return sse_response(completion_stream(jobs, rid, t0, model_name, stream_settings(req), metrics, tokenizer,
-                                                  prepared.logprobs))
+                                                  prepared.logprobs, echo))
         outs = await _results(jobs, metrics)
-        choices = [p.CompletionChoice(index=j.index, text=o.text, finish_reason=o.finish_reason,
-                                      stop_reason=o.stop_reason,
-                                      logprobs=completion_logprobs(tokenizer, o.token_ids, o.logprobs)
-                                      if prepared.logprobs else None)
-                   for j, o in zip(jobs, outs)]
+        choices = []
+        for j, o in zip(jobs, outs):
+            if echo is None:
+                text, lp = o.text, (completion_logprobs(tokenizer, o.token_ids, o.logprobs) if prepared.logprobs
+                                    else None)
+            else:
+                text, lp = echo.choice(tokenizer, j.index, o.text, o.token_ids, o.logprobs, o.prompt_logprobs,
+                                       prepared.logprobs)
+            choices.append(p.CompletionChoice(index=j.index, text=text, finish_reason=o.finish_reason,
+                                              stop_reason=o.stop_reason, logprobs=lp))
         return JSONResponse(p.CompletionResponse(id=rid, created=t0, model=model_name, choices=choices,
-                                                 usage=_usage(jobs, outs)).model_dump())
+                                                 usage=_usage(jobs, outs, prepared.prompt_only)).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -269,9 +280,9 @@ def _submit(fleet, prepared: PreparedRequest, param: str, timeout_s: float | Non
 
 # ----- responses -----
 
-def _usage(jobs: list[Job], outs) -> p.Usage:
+def _usage(jobs: list[Job], outs, prompt_only: bool = False) -> p.Usage:
     prompt = sum(j.prompt_len for j in jobs)
-    completion = sum(len(o.token_ids) for o in outs)
+    completion = 0 if prompt_only else sum(len(o.token_ids) for o in outs)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

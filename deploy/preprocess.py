@@ -56,6 +56,11 @@ class PreparedRequest:
     request: p.CompletionRequest | p.ChatCompletionRequest
     prompts: list[list[int]]
     choices: list[tuple[int, SamplingParams]]  # (index into prompts, params)
+    #: completions ``echo``: each prompt's text, sent before its choices' text (None: no echo)
+    echo_texts: list[str] | None = None
+    #: ``echo`` with ``max_tokens: 0``: the choices generate one token that the answer leaves out
+    #: (the prompt's log-probabilities come from the prefill, which needs a sampled row to finish)
+    prompt_only: bool = False
 
     @property
     def logprobs(self) -> bool:
@@ -68,15 +73,19 @@ def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptL
     :class:`ApiError` (400) naming the first problem."""
     req = _parse(raw, ROUTES[route], limits)
     fields = _sampling_fields(req, limits)
+    echo_texts, prompt_only = None, False
     if route == "completions":
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {req.logprobs}",
                            param="logprobs")
         _check_choices(_num_prompts(req.prompt), req.n)
         prompts = _completion_prompts(req.prompt, tokenizer, limits)
         max_tokens, emptied = req.max_tokens, {"prompt": []}
+        if req.echo:  # OpenAI's echo: the prompt's text first, with its tokens' log-probabilities
+            echo_texts = _echo_texts(req.prompt, prompts, tokenizer)
+            fields["prompt_logprobs"] = req.logprobs
+            prompt_only = max_tokens == 0
+            max_tokens = 1 if prompt_only else max_tokens
     else:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or null, got {req.top_logprobs}",
@@ -95,7 +104,16 @@ def prepare(route: str, raw: bytes, tokenizer: Tokenizer | None, limits: PromptL
             # Choices of one seeded request must differ, yet stay reproducible.
             seed = None if params.seed is None or req.n == 1 else (params.seed + k) % (1 << 64)
             choices.append((i, params if seed is None else replace(params, seed=seed)))
-    return PreparedRequest(req.model_copy(update=emptied), prompts, choices)
+    return PreparedRequest(req.model_copy(update=emptied), prompts, choices, echo_texts, prompt_only)
+
+
+def _echo_texts(prompt: Any, prompts: list[list[int]], tokenizer: Tokenizer | None) -> list[str]:
+    """Each prompt as echoed: a text prompt as sent, token ids decoded (vLLM's)."""
+    given = [prompt] if isinstance(prompt, str) else prompt
+    if all(isinstance(x, int) for x in given):
+        given = [given]
+    return [x if isinstance(x, str) else (tokenizer.decode(ids) if tokenizer is not None else "")
+            for x, ids in zip(given, prompts)]
 
 
 # ----- parsing -----

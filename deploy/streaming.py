@@ -91,6 +91,21 @@ def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs, offset: i
                                 text_offset=offsets)
 
 
+def echoed_logprobs(tokenizer, prompt_ids: Sequence[int], prompt_entries, token_ids: Sequence[int], logprobs,
+                    ) -> p.CompletionLogprobs:
+    """An echoed choice's completions ``logprobs``: the prompt's tokens (the first without a
+    log-probability, null as OpenAI's; the others with their prefill entries,
+    ``RequestOutput.prompt_logprobs``), then the generated ones."""
+    first = _token_text(tokenizer, prompt_ids[0])
+    prompt = completion_logprobs(tokenizer, prompt_ids[1:], prompt_entries, len(first))
+    offset = prompt.text_offset[-1] + len(prompt.tokens[-1]) if prompt.tokens else len(first)
+    out = completion_logprobs(tokenizer, token_ids, logprobs, offset)
+    return p.CompletionLogprobs(tokens=[first, *prompt.tokens, *out.tokens],
+                                token_logprobs=[None, *prompt.token_logprobs, *out.token_logprobs],
+                                top_logprobs=[None, *(prompt.top_logprobs or []), *(out.top_logprobs or [])],
+                                text_offset=[0, *prompt.text_offset, *out.text_offset])
+
+
 def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs) -> p.ChatLogprobs:
     """OpenAI's chat ``logprobs.content`` of ``token_ids``: each token with its log-probability,
     bytes and ``top_logprobs`` (the alternatives asked for, most likely first)."""
@@ -251,18 +266,43 @@ async def _stream(jobs: list[Job], metrics: ApiMetrics, chunk, opening: Sequence
         await merged.aclose()
 
 
+@dataclass(frozen=True)
+class Echo:
+    """Completions ``echo``: per choice index, its prompt's text and token ids; ``prompt_only``: the
+    choices' generated token is left out (``max_tokens: 0``)."""
+
+    texts: dict[int, str]
+    prompt_ids: dict[int, list[int]]
+    prompt_only: bool
+
+    def choice(self, tokenizer, index: int, text: str, token_ids, logprobs, prompt_entries, want_logprobs,
+               ) -> tuple[str, p.CompletionLogprobs | None]:
+        """(text, logprobs) of choice ``index`` with its prompt in front."""
+        if self.prompt_only:
+            text, token_ids, logprobs = "", [], []
+        lp = (echoed_logprobs(tokenizer, self.prompt_ids[index], prompt_entries, token_ids, logprobs)
+              if want_logprobs else None)
+        return self.texts[index] + text, lp
+
+
 def completion_stream(jobs, rid, created, model, settings: StreamSettings, metrics, tokenizer,
-                      want_logprobs) -> AsyncIterator[str]:
+                      want_logprobs, echo: Echo | None = None) -> AsyncIterator[str]:
     offsets: dict[int, int] = {}  # choice index -> characters of its tokens sent so far
 
     def chunk(job: Job, ev) -> BaseModel | None:
-        lp = None
-        if want_logprobs and ev.token_ids:
+        lp, text = None, ev.text
+        if echo is not None and job.index not in offsets:  # the choice's first chunk: the prompt first
+            text, lp = echo.choice(tokenizer, job.index, text, ev.token_ids, ev.logprobs, ev.prompt_logprobs,
+                                   want_logprobs)
+            offsets[job.index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None else 0
+        elif echo is not None and echo.prompt_only:
+            text = ""
+        elif want_logprobs and ev.token_ids:
             lp = completion_logprobs(tokenizer, ev.token_ids, ev.logprobs, offsets.get(job.index, 0))
             offsets[job.index] = lp.text_offset[-1] + len(lp.tokens[-1])
-        if not ev.text and not ev.finished and lp is None:
+        if not text and not ev.finished and lp is None:
             return None
-        choice = p.CompletionChoice(index=job.index, text=ev.text, logprobs=lp,
+        choice = p.CompletionChoice(index=job.index, text=text, logprobs=lp,
                                     finish_reason=ev.finish_reason if ev.finished else None,
                                     stop_reason=ev.stop_reason if ev.finished else None)
         return p.CompletionResponse(id=rid, created=created, model=model, choices=[choice])

@@ -193,6 +193,7 @@ class FleetRequest:
     last_failure: str | None = None
     token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each token
     phases: tuple[float, float] | None = None  # the engine's queue and prefill seconds (RequestEvent.phases)
+    prompt_logprobs: list | None = None  # RequestEvent.prompt_logprobs, from the first event that has them
 
     @property
     def deadline(self) -> float | None:
@@ -211,6 +212,8 @@ class FleetRequest:
             self.token_times.extend([time.monotonic()] * len(event.token_ids))
         if event.phases is not None and self.phases is None:
             self.phases = event.phases
+        if event.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.output_ids.extend(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)
@@ -226,6 +229,6 @@ class FleetRequest:
         self.deliver(event)
         out = RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids), self.text, reason,
                             list(self.logprobs) if self.params.logprobs else None, self.moves, error, failure,
-                            event.stop_reason)
+                            event.stop_reason, self.prompt_logprobs)
         self.sink.put(out)
         return out

@@ -37,5 +37,10 @@ class EagerRunner:
             self.metrics.record_pass(self.phase, None, self.reason)
         return eager()
 
+    def record_eager(self, reason: str) -> None:
+        """Count one eager pass of this phase with ``reason`` (a pass run outside :meth:`run`)."""
+        if self.metrics is not None:
+            self.metrics.record_pass(self.phase, None, reason)
+
     def release(self) -> None:
         """Nothing to release (no graphs)."""

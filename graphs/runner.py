@@ -41,6 +41,9 @@ class PhaseRunner(Protocol[Batch, Output]):
     def run(self, batch: Batch, eager: Callable[[], Output]) -> Output:
         """Replay ``batch`` when :meth:`decide` says so, else return ``eager()``; records the pass."""
 
+    def record_eager(self, reason: str) -> None:
+        """Count one eager pass of this phase with ``reason`` (a pass run outside :meth:`run`)."""
+
     def release(self) -> None:
         """Release every captured graph (before what they point at)."""
 

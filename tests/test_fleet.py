@@ -275,7 +275,8 @@ def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
         outs = fleet.generate(prompts, GREEDY, timeout_s=120)
         # penalties and alternatives cross the hand-off and reach every rank in the step message
         controlled = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, logprobs=True,
-                                    top_logprobs=3, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3)
+                                    top_logprobs=3, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3,
+                                    prompt_logprobs=2)
         got = fleet.generate(prompts[:3], controlled, timeout_s=120)
         _wait_until(lambda: _pages_back(fleet), 30, "pages back on both tp2 groups")
     for o, want in zip(outs, reference(prompts)):
@@ -285,6 +286,11 @@ def test_tp2_prefill_and_tp2_decode_match_engine(ray_local, path, reference):
     assert [ids for o in got for _, ids, _ in o.logprobs] == [ids for o in want for _, ids, _ in o.logprobs]
     assert [lp for o in got for lp, _, _ in o.logprobs] == pytest.approx(
         [lp for o in want for lp, _, _ in o.logprobs], abs=1e-4)
+    for o, w in zip(got, want):  # the prefill group's prompt log-probabilities reach the client
+        assert len(o.prompt_logprobs) == len(o.prompt_token_ids) - 1
+        assert [ids for _, ids, _ in o.prompt_logprobs] == [ids for _, ids, _ in w.prompt_logprobs]
+        assert [lp for lp, _, _ in o.prompt_logprobs] == pytest.approx([lp for lp, _, _ in w.prompt_logprobs],
+                                                                       abs=1e-4)
 
 
 # ----- concurrency and the router -----

@@ -99,6 +99,8 @@ def test_the_sampler_returns_the_top_20_of_the_unbiased_logits_for_every_row_whe
     ({"logprobs": True, "top_logprobs": -1}, r"top_logprobs must be in \[0, 20\], got -1"),
     ({"logprobs": True, "top_logprobs": True}, "top_logprobs must be an int, got bool"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs=True"),
+    ({"prompt_logprobs": 21}, r"prompt_logprobs must be None or in \[0, 20\], got 21"),
+    ({"prompt_logprobs": 1.0}, "prompt_logprobs must be an int, got float"),
 ])
 def test_bad_top_logprobs_are_refused_naming_the_field(fields, message):
     with pytest.raises(SamplingParamsError, match=message):
@@ -164,6 +166,45 @@ def _greedy_ids(hf, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(hf_logits(hf, prompt + ids)[-1].argmax()))
     return ids
+
+
+def test_echo_returns_the_prompt_with_its_log_probabilities_as_hf(client, hf, tokenizer):
+    spell = [tokenizer.decode([t], skip_special_tokens=False) for t in range(hf.config.vocab_size)]
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                  extra_body={"ignore_eos": True})
+    c, ref = r.choices[0], hf_logits(hf, PROMPT).log_softmax(-1)
+    assert c.text == tokenizer.decode(PROMPT) + plain.choices[0].text
+    lp, n = c.logprobs, len(PROMPT)
+    assert lp.tokens == [spell[t] for t in PROMPT] + plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([ref[i - 1, PROMPT[i]].item() for i in range(1, n)], rel=1e-4)
+    for i in range(1, n):  # the prompt token, then its two most likely alternatives (what lm-eval reads)
+        want = {spell[PROMPT[i]]: ref[i - 1, PROMPT[i]].item()}
+        for j in ref[i - 1].topk(2).indices.tolist():
+            want.setdefault(spell[j], ref[i - 1, j].item())
+        assert lp.top_logprobs[i].keys() == want.keys()
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(list(want.values()), rel=1e-4)
+    assert lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 3
+
+    # max_tokens 0: the prompt alone, over several prefill chunks (chunked_prefill_size 512), per prompt
+    long = [(7 * i) % 997 + 3 for i in range(700)]
+    r = client.completions.create(model="tiny", prompt=[long, PROMPT], max_tokens=0, temperature=0, logprobs=0,
+                                  echo=True)
+    assert r.usage.completion_tokens == 0 and [c.finish_reason for c in r.choices] == ["length", "length"]
+    for c, ids in zip(r.choices, (long, PROMPT)):
+        ref = hf_logits(hf, ids).log_softmax(-1)
+        assert c.text == tokenizer.decode(ids) and c.logprobs.tokens == [spell[t] for t in ids]
+        assert c.logprobs.token_logprobs[1:] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                                              rel=1e-4, abs=1e-5)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [x.choices[0] for x in chunks if x.choices]
+    assert "".join(x.text for x in streamed) == tokenizer.decode(PROMPT) + plain.choices[0].text
+    assert [v for x in streamed if x.logprobs for v in x.logprobs.token_logprobs] == lp.token_logprobs
+    assert [t for x in streamed if x.logprobs for t in x.logprobs.tokens] == lp.tokens
 
 
 def test_penalized_completions_and_chat_are_the_formulas_tokens(client, hf, tokenizer):

@@ -62,3 +62,29 @@ def test_logprobs_with_decode_graphs_equal_graphs_off(checkpoint_dir):
                 assert gid == eid or gap <= 2 * ATOL, f"request {k}, token {i}, rank {j}"
             compared += 1
     assert compared >= 100
+
+
+@pytest.mark.timeout(300)
+def test_prompt_logprobs_with_prefill_graphs_equal_graphs_off(checkpoint_dir):
+    """A prefill step with prompt log-probabilities runs eagerly (every position's hidden state is
+    needed) beside graph-replayed steps, over several chunks; its values equal graphs off."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = checkpoint_dir("tiny-llama")
+    prompts = [[(7 * i + k) % 900 + 5 for i in range(300 + 40 * k)] for k in range(4)]
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=[None, 0, 5, 20][k])
+              for k in range(4)]
+
+    def engine(graphs: bool) -> Engine:
+        overrides = ["cache.num_pages=1024", "scheduler.chunked_prefill_size=256",
+                     f"graphs.enabled={str(graphs).lower()}"]
+        return Engine(load_config(None, [f"model.path={path}", *overrides]))
+
+    eager, got = engine(False).generate(prompts, params), engine(True).generate(prompts, params)
+    for g, e, p, ids in zip(got, eager, params, prompts):
+        if p.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert len(g.prompt_logprobs) == len(e.prompt_logprobs) == len(ids) - 1
+        assert [lp for lp, _, _ in g.prompt_logprobs] == pytest.approx([lp for lp, _, _ in e.prompt_logprobs], abs=ATOL)
+        assert all(len(i) == p.prompt_logprobs for _, i, _ in g.prompt_logprobs)

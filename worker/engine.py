@@ -284,7 +284,9 @@ class Engine:
         return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids),
                              self.output_processor.text(request_id), req.finish_reason,
                              list(req.logprobs) if req.params.logprobs else None, req.num_preemptions,
-                             stop_reason=req.stop_reason)
+                             stop_reason=req.stop_reason,
+                             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None
+                             else None)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping."""

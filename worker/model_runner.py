@@ -99,15 +99,49 @@ class ModelRunner:
         """Run one step (``previous``: see :meth:`prepare`); returns the sampled tokens (None if no
         row samples) and the logits used, on the device and possibly not yet computed."""
         inputs = self.prepare(msg, previous)
+        prompt = None
         if not msg.is_prefill:
             logits = self.decode_logits(inputs)
         else:
-            hidden = self.prefill_hidden(inputs, msg.num_requests)
+            if msg.prompt_logprobs is None:
+                hidden = self.prefill_hidden(inputs, msg.num_requests)
+            else:  # every token's hidden state is needed: eager, counted with its reason
+                self.profile.record_prefill(inputs.input_ids.shape[0], msg.num_requests)
+                self.prefill_runner.record_eager("prompt_logprobs")
+                every = self.forward(inputs)
+                prompt = self._score_prompt(every, *msg.prompt_logprobs)
+                hidden = every.index_select(0, inputs.logits_rows)
             if not msg.logits_rows:
-                return None, None
+                if prompt is None:
+                    return None, None
+                empty = torch.empty(0, dtype=torch.int64, device=self.device)
+                return SampleOutput(empty, None, prompt=prompt), None
             logits = self.model.compute_logits(hidden)
         history = None if msg.penalties is None else PenaltyHistory.of(msg.penalties, msg.logits_rows,
                                                                        msg.from_previous)
         sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging,
                                  rows=self._sampling_rows, history=history, input_ids=inputs.input_ids)
-        return sample(logits, sb), logits
+        out = sample(logits, sb)
+        return (out if prompt is None else out._replace(prompt=prompt)), logits
+
+    def _score_prompt(self, hidden: torch.Tensor, width: int, at: list[int], targets: list[int],
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probabilities of ``targets`` after the tokens at ``at`` (and the ``width`` most likely
+        tokens there), from the unprocessed logits, a slice of positions at a time so the float32
+        logits stay under 512 MiB whatever the prompt's length."""
+        at_dev, target_dev = self._sampling_staging.stage([at, targets])
+        vocab = self.model.arch.vocab_size
+        step = max(1, (1 << 27) // vocab)
+        lps, ids, vals = [], [], []
+        for begin in range(0, len(at), step):
+            logits = self.model.compute_logits(hidden.index_select(0, at_dev[begin: begin + step]))
+            norm = logits.logsumexp(dim=-1)
+            lps.append(logits.gather(1, target_dev[begin: begin + step, None]).squeeze(1) - norm)
+            if width:
+                v, i = logits.topk(min(width, logits.shape[-1]), dim=-1)
+                vals.append(v.sub_(norm[:, None]))
+                ids.append(i)
+        if not width:
+            none = torch.empty(len(at), 0, device=self.device)
+            return torch.cat(lps), none.long(), none
+        return torch.cat(lps), torch.cat(ids), torch.cat(vals)

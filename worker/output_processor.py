@@ -109,13 +109,16 @@ class OutputProcessor:
             handoff(req)  # the pages still hold the KV: the callback must take it before they are freed
             self.scheduler.finish(req, "handoff")
             return RequestEvent(req.request_id, [token], delta, True, "handoff", [logprob] if p.logprobs else None,
-                                phases=phases)
+                                phases=phases, prompt_logprobs=list(req.prompt_logprobs)
+                                if p.prompt_logprobs is not None and len(req.output_ids) == 1 else None)
         if reason is not None:
             self.scheduler.finish(req, reason)
             req.stop_reason = stop_reason
             delta += text.flush()
+        prompt = list(req.prompt_logprobs) if p.prompt_logprobs is not None and len(req.output_ids) == 1 else None
         return RequestEvent(req.request_id, [token], delta, reason is not None, reason,
-                            [logprob] if p.logprobs else None, phases=phases, stop_reason=stop_reason)
+                            [logprob] if p.logprobs else None, phases=phases, stop_reason=stop_reason,
+                            prompt_logprobs=prompt)
 
     def fail_all(self, reason: str) -> list[RequestEvent]:
         """End every running and waiting request with an error (``reason`` kept in :attr:`errors`)."""

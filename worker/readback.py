@@ -29,6 +29,7 @@ class HostCopy:
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    prompt: tuple | None  # pinned host copies of SampleOutput.prompt, or None
     spinning: torch.cuda.Event
     sleeping: torch.cuda.Event
     key: tuple
@@ -64,14 +65,22 @@ class TokenReadback:
             top_ids, top_logprobs = top_ids[:n, :width], top_logprobs[:n, :width]
             top_ids.copy_(out.top_ids, non_blocking=True)
             top_logprobs.copy_(out.top_logprobs, non_blocking=True)
+        prompt = None
+        if out.prompt is not None:  # rare (echo, evaluations): pinned buffers of its own each time
+            prompt = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out.prompt)
+            for host, dev in zip(prompt, out.prompt):
+                host.copy_(dev, non_blocking=True)
         spinning.record()
         sleeping.record()
         return HostCopy(tokens[:n], logprobs[:n] if out.logprobs is not None else None,
-                        top_ids if tops else None, top_logprobs if tops else None, spinning, sleeping, key, launched)
+                        top_ids if tops else None, top_logprobs if tops else None, prompt, spinning, sleeping, key,
+                        launched)
 
-    def wait(self, copy: HostCopy, newest: bool) -> tuple[list[int], list[float] | None, tuple | None, float, float]:
-        """The copied tokens, log-probabilities and alternatives (``(ids, logprobs)``, lists of rows),
-        the seconds waited and the thread's CPU seconds in the wait.
+    def wait(self, copy: HostCopy, newest: bool) -> tuple[list[int], list[float] | None, tuple | None, tuple | None,
+                                                          float, float]:
+        """The copied tokens, log-probabilities, alternatives (``(ids, logprobs)``, lists of rows) and
+        prompt log-probabilities (:func:`prompt_lists`), the seconds waited and the thread's CPU
+        seconds in the wait.
 
         For the newest launch (nothing queued behind it: the device idles once it is done) the thread
         first sleeps for most of what the same shape of step has taken from its launch to its end,
@@ -101,7 +110,12 @@ class TokenReadback:
             self._expected[copy.key] = next_expected(expected, end - copy.launched, overslept)
         logprobs = copy.logprobs.tolist() if copy.logprobs is not None else None
         tops = None if copy.top_ids is None else (copy.top_ids.tolist(), copy.top_logprobs.tolist())
-        return copy.tokens.tolist(), logprobs, tops, end - begin, cpu_end - cpu
+        return copy.tokens.tolist(), logprobs, tops, prompt_lists(copy.prompt), end - begin, cpu_end - cpu
+
+
+def prompt_lists(prompt: tuple | None) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
+    """``SampleOutput.prompt`` (on the host or a CPU device) as lists: (logprobs, ids rows, logprobs rows)."""
+    return None if prompt is None else tuple(t.tolist() for t in prompt)
 
 
 def next_expected(expected: float | None, took: float, overslept: bool) -> float:

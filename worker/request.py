@@ -48,6 +48,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when a step first took it from the waiting queue
     first_token_time: float | None = None
+    #: with ``params.prompt_logprobs``: an entry ``(logprob, ids, logprobs)`` per prompt token after
+    #: the first, in order, as the prefill steps read them back
+    prompt_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    prompt_logprob_next: int = 0  # the next prompt position a prefill step is asked to score
     _distinct_prompt: np.ndarray | None = field(default=None, repr=False)
     _outputs: np.ndarray | None = field(default=None, repr=False)
     _outputs_len: int = field(default=0, repr=False)

@@ -15,7 +15,7 @@ import numpy as np
 
 from worker.attention.base import AttentionBatch
 from worker.page_table import PageRows
-from worker.sampling.params import SamplingParams
+from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from worker.scheduler import ScheduledBatch
 
 
@@ -42,6 +42,13 @@ class StepMessage:
     # output token read back so far and, for a repetition penalty, of each distinct prompt token).
     # A token in flight is the row's input of this step and is taken on the device.
     penalties: tuple | None = None  # (rows, then int64 arrays: output rows, tokens, prompt rows, tokens)
+    # Prompt log-probabilities this prefill step computes, None when no request asks: (the
+    # alternatives' width, 0 or MAX_TOP_LOGPROBS; indices of input_ids whose next prompt token is
+    # scored; those tokens).
+    prompt_logprobs: tuple[int, list[int], list[int]] | None = None
+    # The engine's own record of whose prompt positions those are, never sent to the ranks:
+    # (request, first prompt position scored, how many), in the order of ``prompt_logprobs``.
+    scored_prompts: list = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:
@@ -57,7 +64,8 @@ class StepMessage:
         return (_unpack_step_message, (self.is_prefill, self.input_ids, self.positions, self.seq_lens, self.query_lens,
                                        self.page_tables, self.logits_rows,
                                        [_param_values(p) for p in unique.values()], index, self.seeds, self.steps,
-                                       self.return_logits, self.from_previous, self.penalties))
+                                       self.return_logits, self.from_previous, self.penalties,
+                                       self.prompt_logprobs))
 
     def attention_batch(self) -> AttentionBatch:
         """The step's attention batch over this message's own lists (not copied).
@@ -82,10 +90,11 @@ def _param_object(values: tuple) -> SamplingParams:
 
 def _unpack_step_message(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
                          unique_params, param_index, seeds, steps, return_logits, from_previous,
-                         penalties) -> StepMessage:
+                         penalties, prompt_logprobs) -> StepMessage:
     objects = [_param_object(v) for v in unique_params]
     return StepMessage(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
-                       [objects[i] for i in param_index], seeds, steps, return_logits, from_previous, penalties)
+                       [objects[i] for i in param_index], seeds, steps, return_logits, from_previous, penalties,
+                       prompt_logprobs)
 
 
 @dataclass
@@ -97,6 +106,9 @@ class StepResult:
     #: the sampled rows' most likely tokens, ``(ids, logprobs)``: two lists of rows of
     #: ``MAX_TOP_LOGPROBS`` each, most likely first; None unless some row asked for alternatives
     top_logprobs: tuple[list[list[int]], list[list[float]]] | None = None
+    #: a prefill step's prompt log-probabilities in the order of its message's ``prompt_logprobs``:
+    #: (logprobs, alternatives' ids rows, their logprobs rows); None when it computed none
+    prompt_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
     logits: object = None  # (sampled rows, vocab) float32 CPU tensor when return_logits
     rank_s: float = 0.0  # seconds the (first) rank spent in Worker.execute, timed on that rank
     wait_s: float = 0.0  # of which waiting for the device to finish the step (0 on a CPU)
@@ -142,7 +154,18 @@ def _prefill_message(batch: ScheduledBatch, seeds: list[int], return_logits: boo
     params: list[SamplingParams] = []
     steps: list[int] = []
     from_previous: list[tuple[int, int]] = []
+    scored: list[tuple] = []
+    scored_at: list[int] = []
+    scored_tokens: list[int] = []
+    width = 0
     for req, start, n, sample_row in zip(batch.requests, batch.start, batch.num_new, batch.sample):
+        if req.params.prompt_logprobs is not None:
+            first, count = _prompt_positions(req, start, n)
+            if count:
+                scored.append((req, first, count))
+                scored_at.extend(range(len(ids) + first - start, len(ids) + first - start + count))
+                scored_tokens.extend(req.prompt_ids[first + 1: first + 1 + count])
+                width = max(width, MAX_TOP_LOGPROBS if req.params.prompt_logprobs else 0)
         known = req.tokens(start, start + n)
         ids.extend(known)
         if len(known) < n:  # only the last token can be in flight (one step ahead at most)
@@ -156,9 +179,26 @@ def _prefill_message(batch: ScheduledBatch, seeds: list[int], return_logits: boo
             rows.append(len(ids) - 1)
             params.append(req.params)
             steps.append(len(req.output_ids) + req.num_pending)
-    return StepMessage(batch.is_prefill, ids, positions, [s + n for s, n in zip(batch.start, batch.num_new)],
-                       list(batch.num_new), PageRows.gather([r.pages for r in batch.requests]), rows, params,
-                       list(seeds), steps, return_logits, from_previous)
+    msg = StepMessage(batch.is_prefill, ids, positions, [s + n for s, n in zip(batch.start, batch.num_new)],
+                      list(batch.num_new), PageRows.gather([r.pages for r in batch.requests]), rows, params,
+                      list(seeds), steps, return_logits, from_previous)
+    if scored:
+        msg.prompt_logprobs, msg.scored_prompts = (width, scored_at, scored_tokens), scored
+    return msg
+
+
+def _prompt_positions(req, start: int, n: int) -> tuple[int, int]:
+    """The prompt positions a chunk of ``n`` tokens from ``start`` scores for ``req`` (position p
+    scores prompt token p + 1): (first, count). A prefill from position 0 (the first, or one after
+    a preemption) starts again from what was read back; positions already asked for are not."""
+    if start == 0:
+        req.prompt_logprob_next = len(req.prompt_logprobs)
+    first = max(start, req.prompt_logprob_next)
+    end = min(start + n, len(req.prompt_ids) - 1)
+    if end <= first:
+        return first, 0
+    req.prompt_logprob_next = end
+    return first, end - first
 
 
 def _decode_message(batch: ScheduledBatch, seeds: list[int], return_logits: bool,

@@ -69,6 +69,7 @@ class InFlightStep:
     rows: dict[int, int]  # id(request) -> its sampled row (the next step's ``previous_rows``)
     sent_at: float  # time.perf_counter() when it was handed to the executor
     held: list[int] = field(default_factory=list)  # pages freed while it was the newest step in flight
+    scored: list = field(default_factory=list)  # StepMessage.scored_prompts: whose prompt positions it scores
 
 
 class StepPipeline:
@@ -160,7 +161,7 @@ class StepPipeline:
                 sampled.append((req, req.num_preemptions))
                 req.num_pending += 1
                 req.prefilling = False  # its next step decodes the token in flight
-        return InFlightStep(batch, sent, sampled, rows, sent_at)
+        return InFlightStep(batch, sent, sampled, rows, sent_at, scored=msg.scored_prompts)
 
     def _read_back(self, step: InFlightStep, start: float, waited_from: float | None = None) -> list[RequestEvent]:
         """Wait for ``step``'s tokens (``execute_s`` counts from ``waited_from``, else from now) and
@@ -182,6 +183,8 @@ class StepPipeline:
             if k and tops is not None:
                 lp = (lp, tops[0][row][:k], tops[1][row][:k])
             landed.append((req, token, lp))
+        if step.scored and result.prompt_logprobs is not None:
+            _land_prompt_logprobs(step.scored, result.prompt_logprobs)
         events = self.consumer.append_tokens(landed)
         self.allocator.release(step.held)
         if self._in_flight is None:
@@ -206,3 +209,16 @@ class StepPipeline:
         n = self.scheduler.preempt_all()
         log.error("step failed (%s); %d running requests re-queued for recomputation", error, n)
         return []
+
+
+def _land_prompt_logprobs(scored: list, values: tuple) -> None:
+    """Append a step's prompt log-probabilities to their requests: each run of positions only where
+    it continues what the request has (a run computed again after a preemption, or one whose request
+    ended, is dropped)."""
+    lps, ids, vals = values
+    at = 0
+    for req, first, count in scored:
+        if not req.finished and len(req.prompt_logprobs) == first:
+            k = req.params.prompt_logprobs
+            req.prompt_logprobs.extend((lps[j], ids[j][:k], vals[j][:k]) for j in range(at, at + count))
+        at += count

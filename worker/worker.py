@@ -35,7 +35,7 @@ from worker.model.loader import load_model, resolve_dtype
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
 from worker.model_steps import CompiledDecodeStep, CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
-from worker.readback import TokenReadback
+from worker.readback import TokenReadback, prompt_lists
 from worker.step_message import StepMessage, StepResult
 from worker.step_wait_metrics import StepWaitMetrics
 
@@ -371,7 +371,7 @@ class Worker:
             self._last_sampled = None
             return LaunchedStep(None, None, None, time.perf_counter() - start, self._launches)
         self._last_sampled = out.token_ids
-        logits_copy = logits.to(torch.float32, copy=True) if msg.return_logits else None
+        logits_copy = logits.to(torch.float32, copy=True) if msg.return_logits and logits is not None else None
         host = self._readback.copy(out, (msg.is_prefill, len(msg.input_ids)), start) \
             if read_back and self.device.type == "cuda" else None
         return LaunchedStep(out, host, logits_copy, time.perf_counter() - start, self._launches)
@@ -387,12 +387,13 @@ class Worker:
             tokens = out.token_ids.tolist()
             logprobs = out.logprobs.tolist() if out.logprobs is not None else None
             tops = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
+            prompt = prompt_lists(out.prompt)
             wait_s = wait_cpu_s = 0.0
         else:
-            tokens, logprobs, tops, wait_s, wait_cpu_s = self._readback.wait(step.host,
-                                                                             newest=step.number == self._launches)
+            tokens, logprobs, tops, prompt, wait_s, wait_cpu_s = self._readback.wait(
+                step.host, newest=step.number == self._launches)
             self.wait_metrics.record(wait_s, wait_cpu_s)
-        result = StepResult(tokens, logprobs, tops, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
+        result = StepResult(tokens, logprobs, tops, prompt, wait_s=wait_s, wait_cpu_s=wait_cpu_s)
         if step.logits is not None:
             result.logits = step.logits.cpu()
         result.rank_s = step.launch_s + time.perf_counter() - begin

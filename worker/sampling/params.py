@@ -71,6 +71,9 @@ class SamplingParams:
             ``{token id: bias}`` is accepted. Ids >= 0, each once; biases finite, in [-100, 100].
             Log-probabilities stay those of the unbiased logits (vLLM's raw log-probabilities).
         n: number of output sequences for the prompt, >= 1.
+        prompt_logprobs: None, or report the log-probability of every prompt token after the first
+            (computed from the prefill, as vLLM's ``prompt_logprobs``) with this many most likely
+            alternatives, in [0, ``MAX_TOP_LOGPROBS``]; entries as ``logprobs``' with alternatives.
         presence_penalty: subtracted from the logit of every token the output has so far, in [-2, 2].
         frequency_penalty: subtracted once per occurrence in the output so far, in [-2, 2].
         repetition_penalty: > 0, at most 100; the logit of a token in the prompt or the output so far
@@ -98,6 +101,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
     #: derived: whether a presence, frequency or repetition penalty applies (read once per row and step)
     penalized: bool = field(init=False, default=False)
 
@@ -193,6 +197,10 @@ class SamplingParams:
             raise SamplingParamsError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
         put("repetition_penalty", r)
         put("penalized", self.presence_penalty != 0 or self.frequency_penalty != 0 or r != 1)
+        if self.prompt_logprobs is not None and not 0 <= _integer("prompt_logprobs", self.prompt_logprobs) \
+                <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError(f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], "
+                                      f"got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

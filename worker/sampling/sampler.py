@@ -63,12 +63,16 @@ _TOKEN_SALT = 0x70C3A11D
 class SampleOutput(NamedTuple):
     """Device tensors: ``token_ids`` (B,) int64; ``logprobs`` (B,) float32, None unless requested;
     ``top_ids`` (B, ``MAX_TOP_LOGPROBS``) int64 and ``top_logprobs`` (same shape, float32) the most
-    likely tokens, most likely first, None unless some row asked for alternatives."""
+    likely tokens, most likely first, None unless some row asked for alternatives. ``prompt``: a
+    prefill step's prompt log-probabilities (:meth:`worker.model_runner.ModelRunner.execute`),
+    (logprobs (N,), top ids (N, W), top logprobs (N, W)) with W 0 when no request asked for
+    alternatives; None when no request asked for them."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _row_values(p: SamplingParams, k_off: int) -> tuple:
