@@ -90,6 +90,10 @@ def test_the_sampler_returns_the_top_20_of_the_unbiased_logits_for_every_row_whe
     torch.testing.assert_close(out.top_logprobs, ref.values, rtol=0, atol=1e-5)
     assert out.token_ids[1] == 7  # the bias picks the token; the log-probabilities stay unbiased
     assert torch.equal(out.token_ids[[0, 2, 4]], ref.indices[[0, 2, 4], 0])  # greedy: the top alternative
+    half = run(logits.bfloat16(), params)  # the top-k runs on the logits' own dtype: same values, exactly
+    ref = logits.bfloat16().float().log_softmax(-1).topk(MAX_TOP_LOGPROBS)
+    assert half.top_logprobs.dtype == torch.float32
+    torch.testing.assert_close(half.top_logprobs, ref.values, rtol=0, atol=1e-5)
     plain = run(logits, [SamplingParams(temperature=0, logprobs=True)] * 5)
     assert plain.top_ids is None and plain.top_logprobs is None and plain.logprobs is not None
 

@@ -368,6 +368,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         normaliser = unbiased.logsumexp(dim=-1)
         logprobs = unbiased.gather(1, tokens[:, None]).squeeze(1) - normaliser
         if batch.want_top_logprobs:
-            top_values, top_ids = unbiased.topk(min(MAX_TOP_LOGPROBS, unbiased.shape[-1]), dim=-1, sorted=True)
-            top_logprobs = top_values.sub_(normaliser[:, None])
+            # On the logits as they came (bf16 on the GPU): half the bytes of the float32 copy for the
+            # radix select, and the same values (widening is exact), ties included.
+            top_values, top_ids = logits.topk(min(MAX_TOP_LOGPROBS, logits.shape[-1]), dim=-1, sorted=True)
+            top_logprobs = top_values.to(torch.float32).sub_(normaliser[:, None])
     return SampleOutput(tokens, logprobs, top_ids, top_logprobs)
