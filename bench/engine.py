@@ -43,6 +43,27 @@ def decode_floor_bytes(engine: Engine, batch: int, context: int) -> int:
     return weights + batch * (context + 1) * kv_per_token
 
 
+def decode_step_times(engine: Engine, batch: int, context: int, repeats: int, g: torch.Generator,
+                      inspect=None, **sampling) -> list[float]:
+    """Wall seconds of ``repeats`` whole engine decode steps of ``batch`` greedy requests of ``context``
+    random prompt tokens (``sampling``: more SamplingParams fields); ``inspect(request)`` sees the
+    first request before they are all aborted."""
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, **sampling)
+    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
+           for _ in range(batch)]
+    while any(engine.requests[i].prefilling for i in ids):
+        engine.step()
+    times = wall_times(engine.step, repeats=repeats, warmup=3)
+    assert all(s.phase == "decode" and s.batch_size == batch for s in list(engine.step_stats)[-repeats:]), \
+        "a step that was not the batch's decode"
+    if inspect is not None:
+        inspect(engine.requests[ids[0]])
+    for i in ids:
+        engine.abort(i)
+        engine.release(i)
+    return times
+
+
 def bench_one(path: Path, backend: str, batches: list[int], context: int, repeats: int, bw: float) -> list[dict]:
     max_b = max(batches)
     pages = max_b * (-(-(context + repeats + 16) // 16)) + 64
@@ -53,21 +74,11 @@ def bench_one(path: Path, backend: str, batches: list[int], context: int, repeat
     rows = []
     g = torch.Generator().manual_seed(0)
     for b in batches:
-        params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
-        ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(),
-                                  params) for _ in range(b)]
-        while any(engine.requests[i].prefilling for i in ids):
-            engine.step()
-        times = wall_times(engine.step, repeats=repeats, warmup=3)
-        assert all(s.phase == "decode" and s.batch_size == b for s in list(engine.step_stats)[-repeats:])
-        step = statistics.median(times)
+        step = statistics.median(decode_step_times(engine, b, context, repeats, g))
         floor = decode_floor_bytes(engine, b, context) / bw
         rows.append({"preset": path.name, "backend": engine.worker.attention.name, "batch": b, "context": context,
                      "step_ms": step * 1e3, "floor_ms": floor * 1e3, "x_floor": step / floor,
                      "tokens_per_s": b / step})
-        for i in ids:
-            engine.abort(i)
-            engine.release(i)
     del engine
     torch.cuda.empty_cache()
     return rows

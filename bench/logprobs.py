@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import environment, print_table, wall_times, write_results  # noqa: E402
-from bench.engine import ensure_checkpoint  # noqa: E402
+from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.engine import decode_step_times, ensure_checkpoint  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams  # noqa: E402
+from worker.sampling.params import MAX_TOP_LOGPROBS  # noqa: E402
 
 VARIANTS = {"none": {}, "logprobs": {"logprobs": True},
             "top20": {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS},
@@ -34,22 +34,12 @@ VARIANTS = {"none": {}, "logprobs": {"logprobs": True},
 
 def step_seconds(engine: Engine, batch: int, context: int, repeats: int, fields: dict, g: torch.Generator) -> float:
     """Median wall seconds of an engine decode step with ``batch`` requests sampling with ``fields``."""
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True, **fields)
-    ids = [engine.add_request(torch.randint(10, engine.arch.vocab_size, (context,), generator=g).tolist(), params)
-           for _ in range(batch)]
-    while any(engine.requests[i].prefilling for i in ids):
-        engine.step()
-    times = wall_times(engine.step, repeats=repeats, warmup=3)
-    stats = list(engine.step_stats)[-repeats:]
-    assert all(s.phase == "decode" and s.batch_size == batch for s in stats), "a step that was not the batch's decode"
-    if fields.get("logprobs"):
-        req = engine.requests[ids[0]]
+    def came_back(req) -> None:
         want = fields.get("top_logprobs", 0)
         assert req.logprobs and (not want or len(req.logprobs[-1][1]) == want), "no log-probabilities came back"
-    for i in ids:
-        engine.abort(i)
-        engine.release(i)
-    return statistics.median(times)
+
+    inspect = came_back if fields.get("logprobs") else None
+    return statistics.median(decode_step_times(engine, batch, context, repeats, g, inspect, **fields))
 
 
 def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rounds: int) -> list[dict]:

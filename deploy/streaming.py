@@ -91,6 +91,11 @@ def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs, offset: i
                                 text_offset=offsets)
 
 
+def _text_end(lp: p.CompletionLogprobs, empty: int = 0) -> int:
+    """The text offset just after ``lp``'s last token (``empty`` when it has none)."""
+    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else empty
+
+
 def echoed_logprobs(tokenizer, prompt_ids: Sequence[int], prompt_entries, token_ids: Sequence[int], logprobs,
                     ) -> p.CompletionLogprobs:
     """An echoed choice's completions ``logprobs``: the prompt's tokens (the first without a
@@ -98,8 +103,7 @@ def echoed_logprobs(tokenizer, prompt_ids: Sequence[int], prompt_entries, token_
     ``RequestOutput.prompt_logprobs``), then the generated ones."""
     first = _token_text(tokenizer, prompt_ids[0])
     prompt = completion_logprobs(tokenizer, prompt_ids[1:], prompt_entries, len(first))
-    offset = prompt.text_offset[-1] + len(prompt.tokens[-1]) if prompt.tokens else len(first)
-    out = completion_logprobs(tokenizer, token_ids, logprobs, offset)
+    out = completion_logprobs(tokenizer, token_ids, logprobs, _text_end(prompt, len(first)))
     return p.CompletionLogprobs(tokens=[first, *prompt.tokens, *out.tokens],
                                 token_logprobs=[None, *prompt.token_logprobs, *out.token_logprobs],
                                 top_logprobs=[None, *(prompt.top_logprobs or []), *(out.top_logprobs or [])],
@@ -294,12 +298,12 @@ def completion_stream(jobs, rid, created, model, settings: StreamSettings, metri
         if echo is not None and job.index not in offsets:  # the choice's first chunk: the prompt first
             text, lp = echo.choice(tokenizer, job.index, text, ev.token_ids, ev.logprobs, ev.prompt_logprobs,
                                    want_logprobs)
-            offsets[job.index] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None else 0
+            offsets[job.index] = _text_end(lp) if lp is not None else 0
         elif echo is not None and echo.prompt_only:
             text = ""
         elif want_logprobs and ev.token_ids:
             lp = completion_logprobs(tokenizer, ev.token_ids, ev.logprobs, offsets.get(job.index, 0))
-            offsets[job.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            offsets[job.index] = _text_end(lp)
         if not text and not ev.finished and lp is None:
             return None
         choice = p.CompletionChoice(index=job.index, text=text, logprobs=lp,

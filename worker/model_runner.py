@@ -14,7 +14,7 @@ from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.penalties import PenaltyHistory
-from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
+from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, logprobs_of, sample
 from worker.step_message import StepMessage
 
 
@@ -132,16 +132,11 @@ class ModelRunner:
         at_dev, target_dev = self._sampling_staging.stage([at, targets])
         vocab = self.model.arch.vocab_size
         step = max(1, (1 << 27) // vocab)
-        lps, ids, vals = [], [], []
-        for begin in range(0, len(at), step):
-            logits = self.model.compute_logits(hidden.index_select(0, at_dev[begin: begin + step]))
-            norm = logits.logsumexp(dim=-1)
-            lps.append(logits.gather(1, target_dev[begin: begin + step, None]).squeeze(1) - norm)
-            if width:
-                v, i = logits.topk(min(width, logits.shape[-1]), dim=-1)
-                vals.append(v.sub_(norm[:, None]))
-                ids.append(i)
+        parts = [logprobs_of(self.model.compute_logits(hidden.index_select(0, at_dev[begin: begin + step])),
+                             target_dev[begin: begin + step], width)
+                 for begin in range(0, len(at), step)]
+        lps = torch.cat([lp for lp, _, _ in parts])
         if not width:
             none = torch.empty(len(at), 0, device=self.device)
-            return torch.cat(lps), none.long(), none
-        return torch.cat(lps), torch.cat(ids), torch.cat(vals)
+            return lps, none.long(), none
+        return lps, torch.cat([i for _, i, _ in parts]), torch.cat([v for _, _, v in parts])

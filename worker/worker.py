@@ -29,9 +29,8 @@ from worker.config import EngineConfig
 from worker.executor import LaunchedStep, PendingLaunch
 from worker.graph_ladders import graph_runners, ladders_of, padding_per_step, padding_share_of
 from worker.kv_cache import KVCacheShape, PagedKVCache
-from worker.model.arch import ModelArch
 from worker.model.kernels import select_kernels
-from worker.model.loader import load_model, resolve_dtype
+from worker.model.loader import checkpoint_max_len, load_model, resolve_device, resolve_dtype
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
 from worker.model_steps import CompiledDecodeStep, CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
@@ -40,32 +39,6 @@ from worker.step_message import StepMessage, StepResult
 from worker.step_wait_metrics import StepWaitMetrics
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is the current CUDA device when there is one, else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("model.device=cuda but CUDA is not available; use model.device=auto or cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
-
-
-def checkpoint_max_len(arch: ModelArch, config: EngineConfig) -> int:
-    """The longest sequence the checkpoint and ``model.max_model_len`` allow (before cache size)."""
-    max_len = arch.max_position_embeddings
-    if arch.sliding_window and arch.sliding_window < max_len:
-        log.warning("sliding_window=%d: capping max_model_len to it (sliding attention is not "
-                    "implemented; within the window it equals full attention)", arch.sliding_window)
-        max_len = arch.sliding_window
-    limit = config.model.max_model_len
-    if limit is not None:
-        if limit > max_len:
-            raise ValueError(f"model.max_model_len={limit} exceeds the checkpoint's limit {max_len}")
-        max_len = limit
-    return max_len
 
 
 class Worker:
@@ -114,7 +87,8 @@ class Worker:
 
     def max_model_len(self, num_pages: int) -> int:
         """The longest sequence the checkpoint, the config and ``num_pages`` of KV cache allow."""
-        return min(checkpoint_max_len(self.arch, self.config), (num_pages - 1) * self.config.cache.page_size)
+        return min(checkpoint_max_len(self.arch, self.config.model.max_model_len),
+                   (num_pages - 1) * self.config.cache.page_size)
 
     def available_pages(self) -> int:
         """KV pages this rank can hold: ``cache.num_pages``, or sized from free GPU memory."""

@@ -45,3 +45,28 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     log.info("loaded %s (%s, %s params) as %s on %s in %.1fs", Path(model_dir).name, arch.architecture,
              size, str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return model, arch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is the current CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("model.device=cuda but CUDA is not available; use model.device=auto or cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def checkpoint_max_len(arch: ModelArch, limit: int | None) -> int:
+    """The longest sequence the checkpoint and ``limit`` (``model.max_model_len``) allow (before cache size)."""
+    max_len = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < max_len:
+        log.warning("sliding_window=%d: capping max_model_len to it (sliding attention is not "
+                    "implemented; within the window it equals full attention)", arch.sliding_window)
+        max_len = arch.sliding_window
+    if limit is not None:
+        if limit > max_len:
+            raise ValueError(f"model.max_model_len={limit} exceeds the checkpoint's limit {max_len}")
+        max_len = limit
+    return max_len

@@ -362,14 +362,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
             tokens = s.argmax(dim=-1)
         if batch.any_greedy:
             tokens = torch.where(batch.greedy_mask, raw.argmax(dim=-1), tokens)
-    logprobs = top_ids = top_logprobs = None
-    if batch.want_logprobs:
-        unbiased = logits.to(torch.float32) if processed else raw
-        normaliser = unbiased.logsumexp(dim=-1)
-        logprobs = unbiased.gather(1, tokens[:, None]).squeeze(1) - normaliser
-        if batch.want_top_logprobs:
-            # On the logits as they came (bf16 on the GPU): half the bytes of the float32 copy for the
-            # radix select, and the same values (widening is exact), ties included.
-            top_values, top_ids = logits.topk(min(MAX_TOP_LOGPROBS, logits.shape[-1]), dim=-1, sorted=True)
-            top_logprobs = top_values.to(torch.float32).sub_(normaliser[:, None])
-    return SampleOutput(tokens, logprobs, top_ids, top_logprobs)
+    if not batch.want_logprobs:
+        return SampleOutput(tokens, None)
+    width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
+    return SampleOutput(tokens, *logprobs_of(logits.to(torch.float32) if processed else raw, tokens, width, logits))
+
+
+def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int, source: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log-probabilities of ``tokens`` (B,) under float32 logits ``unbiased`` (B, V), and the
+    ``width`` most likely tokens' ids and log-probabilities, None when ``width`` is 0). The top-k
+    runs on ``source`` (the same logits in their own dtype, bf16 on the GPU: half the bytes for the
+    radix select, the same values since widening is exact), else on ``unbiased``."""
+    normaliser = unbiased.logsumexp(dim=-1)
+    chosen = unbiased.gather(1, tokens[:, None]).squeeze(1) - normaliser
+    if not width:
+        return chosen, None, None
+    source = unbiased if source is None else source
+    values, ids = source.topk(min(width, source.shape[-1]), dim=-1, sorted=True)
+    return chosen, ids, values.to(torch.float32).sub_(normaliser[:, None])
