@@ -1,4 +1,6 @@
-"""The fleet on a real local Ray (CPU, gloo, debug runner path): hand-off, routing, failures.
+"""The fleet on a real local Ray (CPU, gloo, debug runner path): hand-off, routing, failures (its
+pieces without Ray are tests/test_fleet_parts.py, faults that need a fleet of their own
+tests/test_fleet_faults.py).
 
 Outputs are compared token for token with the in-process :class:`Engine` on the same checkpoint.
 Fleets are module-scoped and shared by the tests that need the same layout.
@@ -7,8 +9,6 @@ Fleets are module-scoped and shared by the tests that need the same layout.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,18 +17,13 @@ import pytest
 import ray  # noqa: E402 - a hard requirement: the cluster tests must not skip
 import torch
 
-from cluster.kv_transport import KVTransportUnavailable, create_transport  # noqa: E402
-from deploy.config import Config, ConfigError, load_config  # noqa: E402
-from fleet.config import FleetConfig, apply_fleet_options, group_layout, role_config  # noqa: E402
+from deploy.config import load_config  # noqa: E402
 from fleet.fleet import Fleet  # noqa: E402
-from fleet.request import FleetRequest  # noqa: E402
-from fleet.router import AdmissionGate, GroupLoad, Overloaded, Router  # noqa: E402
+from fleet.router import Overloaded  # noqa: E402
 from tests.fleet_probes import fleet_group, group_ids  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.kv_pages import KVPagesError, export_pages, import_pages, kv_layout  # noqa: E402
 from worker.outputs import FailureKind  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
-from worker.worker import Worker  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -97,117 +92,6 @@ def disagg(ray_local, path):
                         max_waiting_requests=64)
     yield fleet
     fleet.shutdown()
-
-
-# ----- no Ray -----
-
-def test_config_transport_and_gate_errors_are_clear(path):
-    cfg = _config(path)
-    with pytest.raises(ConfigError, match="cluster.decode_tp_size: KV hand-off needs equal tp sizes: "
-                                          "prefill_tp_size=2, decode_tp_size=1"):
-        apply_fleet_options(cfg, mode="disaggregated", prefill_tp_size=2, decode_tp_size=1)
-    with pytest.raises(ConfigError, match="unknown fleet option 'num_groups'"):
-        apply_fleet_options(cfg, num_groups=2)
-    with pytest.raises(KVTransportUnavailable, match="unknown kv_transport 'smoke'; available: cuda_ipc, nccl, "
-                                                     "object_store"):
-        create_transport("smoke")
-    cfg, fc = apply_fleet_options(cfg, mode="disaggregated", num_decode_groups=2, name="x")
-    assert group_layout(cfg.cluster, fc.name) == [("x-p0", "prefill"), ("x-d0", "decode"), ("x-d1", "decode")]
-    assert role_config(cfg, "prefill").graphs.capture == "prefill"
-    assert role_config(cfg, "decode").graphs.capture == "decode"
-    assert role_config(cfg, "colocated").graphs.capture == "both"
-    gate = AdmissionGate(2)
-    gate.acquire()
-    gate.acquire()
-    with pytest.raises(Overloaded, match=r"2 requests already waiting .*scheduler\.max_waiting_requests=2"
-                                         r".*retry later"):
-        gate.acquire()
-    gate.release()
-    gate.acquire()
-
-
-def test_fleet_config_declares_no_config_key():
-    """FleetConfig holds only what no config section says: the rest is read from its section."""
-    def keys(section) -> set[str]:
-        found = set()
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            found |= {f.name} | (keys(value) if dataclasses.is_dataclass(value) else set())
-        return found
-
-    config_keys = keys(Config())
-    assert {"max_waiting_requests", "num_decode_groups", "kv_transport", "request_timeout_s"} <= config_keys
-    assert not {f.name for f in dataclasses.fields(FleetConfig)} & config_keys
-
-
-def test_role_config_without_graphs_for_the_role(path):
-    cfg = _config(path, "graphs.capture=decode", "scheduler.async_scheduling=true")
-    prefill = role_config(cfg, "prefill")
-    assert (prefill.graphs.capture, prefill.scheduler.async_scheduling) == ("none", False)
-    assert role_config(cfg, "decode").scheduler.async_scheduling
-
-
-def test_kv_pages_export_import_roundtrip(path):
-    src, dst = Worker.local(_config(path)), Worker.local(_config(path))
-    src.kv_cache.kv.normal_()
-    payload = export_pages(src, [3, 5, 9])
-    assert payload.shape == kv_layout(src).payload_shape(3) == (4, 3, 2, 16, 2, 64)
-    import_pages(dst, [7, 2, 4], payload)
-    for a, b in ((3, 7), (5, 2), (9, 4)):
-        assert torch.equal(dst.kv_cache.kv[:, b], src.kv_cache.kv[:, a])
-    assert not dst.kv_cache.kv[:, 1].any()
-    with pytest.raises(KVPagesError, match=r"page 0 outside \[1, 128\) \(page 0 is the dummy page\)"):
-        export_pages(src, [0])
-    with pytest.raises(KVPagesError, match="does not fit 2 pages"):
-        import_pages(dst, [1, 2], payload)
-    with pytest.raises(KVPagesError, match="dtype torch.float16 differs"):
-        import_pages(dst, [1, 2, 3], payload.half())
-
-
-def test_router_picks_least_loaded_ready_group_with_pages():
-    router = Router(page_size=16, max_waiting_requests=4)
-    req = FleetRequest("r", [1] * 40, GREEDY, 0, None)  # 3 pages of KV
-    loads = [GroupLoad("p0", "prefill", True, 100, 2, 8, 500, 2032),
-             GroupLoad("p1", "prefill", True, 100, 1, 8, 100, 2032),
-             GroupLoad("p2", "prefill", False, 100, 0, 8, 0, 2032),  # not ready
-             GroupLoad("p3", "prefill", True, 4, 2, 8, 0, 2032),  # 4 free - 3 needed < 2 running (headroom)
-             GroupLoad("d0", "decode", True, 100, 0, 8, 0, 2032)]
-    assert router.pick_prefill(loads, req).group_id == "p1"
-    router.assign(loads[1], req, req.num_tokens, 1000)
-    assert router.pick_prefill(loads, req).group_id == "p0"
-    assert router.pick_decode(loads, req).group_id == "d0"
-    loads[4].running = 8  # full
-    assert router.pick_decode(loads, req) is None
-
-
-def test_engine_hands_off_to_another_engine_token_for_token(path, reference):
-    """The engine half of the hand-off, in-process: admit(on_first_token) -> export -> add_prefilled_request."""
-    prompts = _prompts(3, seed=11)
-    want = reference(prompts)
-    # a prefill engine steps synchronously (as a fleet's prefill role does: fleet.config.role_config)
-    pre, dec = Engine(_config(path, "scheduler.async_scheduling=false")), Engine(_config(path))
-    free = pre.num_free_pages
-    payloads = {}
-
-    def export(req):
-        payloads[req.request_id] = (export_pages(pre.worker, req.pages), list(req.output_ids))
-
-    for i, p in enumerate(prompts):
-        pre.admit(p, GREEDY, seed=i, request_id=f"r{i}", on_first_token=export)
-    handed = [ev for _ in range(10) for ev in pre.step()]
-    assert [ev.finish_reason for ev in handed] == ["handoff"] * 3 and pre.num_free_pages == free
-    with pytest.raises(RuntimeError, match="link down"):
-        dec.add_prefilled_request(prompts[0], payloads["r0"][1], GREEDY, seed=0, request_id="r0",
-                                  import_kv=lambda pages: (_ for _ in ()).throw(RuntimeError("link down")))
-    assert dec.num_free_pages == free and "r0" not in dec.requests
-    for i, p in enumerate(prompts):
-        payload, out = payloads[f"r{i}"]
-        dec.add_prefilled_request(p, out, GREEDY, seed=i, request_id=f"r{i}",
-                                  import_kv=functools.partial(import_pages, dec.worker, payload=payload))
-    while dec.has_unfinished():
-        dec.step()
-    assert [dec.output(f"r{i}").token_ids for i in range(3)] == [o.token_ids for o in want]
-    assert [dec.output(f"r{i}").text for i in range(3)] == [o.text for o in want]
 
 
 # ----- equality with the in-process engine -----
@@ -427,41 +311,6 @@ def test_killed_group_requests_complete_after_restart(disagg, reference, role):
 
 
 @pytest.mark.timeout(240)
-def test_dead_decode_group_moves_requests_then_errors_when_none_is_left(ray_local, path, reference):
-    prompts = _prompts(16, seed=9)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in reference(prompts, params)]
-    with Fleet.start(_config(path, "cluster.restart=false"), mode="disaggregated", num_decode_groups=2,
-                     name="two") as fleet:
-        d0, d1 = fleet_group(fleet, "two-d0"), fleet_group(fleet, "two-d1")
-        threads, results, progress = _open_streams(fleet, prompts, params)
-        _wait_until(lambda: sum(p >= 2 for p in progress) >= 4, 60, "streams decoding")
-        ray.kill(d0.rank_actors()[0], no_restart=True)
-        _join(threads, 200)
-        # Every request completed: those on d0 were re-prefilled and continued on d1.
-        assert [results[i][1].finish_reason for i in range(16)] == ["length"] * 16
-        assert [results[i][0] for i in range(16)] == expected
-        health = fleet.health()
-        assert health["groups"]["two-d0"]["state"] == "dead" and health["status"] == "degraded"
-
-        # Now the last decode group dies: open requests end with a clear error, none hangs.
-        threads, results, progress = _open_streams(fleet, prompts[:8], params)
-        _wait_until(lambda: sum(p >= 2 for p in progress) >= 2, 60, "streams decoding on d1")
-        ray.kill(d1.rank_actors()[0], no_restart=True)
-        _join(threads, 120)
-        reasons = [results[i][1].finish_reason for i in range(8)]
-        failed = [results[i][1] for i in range(8) if reasons[i] == "error"]
-        assert len(failed) >= 1 and reasons.count("length") + len(failed) == 8
-        for ev in failed:
-            assert ev.error.startswith("no decode group is available: two-d0 is dead (a rank died")
-            assert ev.failure is FailureKind.GROUP_FAILED
-        _wait_until(lambda: fleet.health()["status"] == "dead", 30, "fleet status dead")
-        late = fleet.generate([prompts[0]], params, timeout_s=60)[0]
-        assert late.finish_reason == "error" and "no decode group is available" in late.error
-        assert late.failure is FailureKind.GROUP_FAILED
-
-
-@pytest.mark.timeout(240)
 def test_decode_rank_killed_while_idle_fails_the_group_at_the_next_hand_off(disagg, reference):
     """No step notices the death of an idle decode group's rank; the first KV import into it does,
     and must fail the group (which restarts) instead of re-prefilling every request into it."""
@@ -475,36 +324,6 @@ def test_decode_rank_killed_while_idle_fails_the_group_at_the_next_hand_off(disa
     assert [o.token_ids for o in outputs] == expected and all(o.error is None for o in outputs)
     assert group.restarts == restarts + 1 and "died" in group.last_error
     _wait_until(lambda: disagg.health()["status"] == "ready" and _pages_back(disagg), 60, "fleet ready again")
-
-
-@pytest.mark.timeout(300)
-def test_restart_killed_while_capturing_is_retried_until_a_generation_is_ready(ray_local, path, reference):
-    """A rank killed while its group's new generation captures fails that start; the group starts
-    another after a backoff, and the requests it held complete token for token."""
-    prompts = _prompts(4, seed=12)
-    expected = [o.token_ids for o in reference(prompts)]
-    killed: list[str] = []
-
-    def kill_the_first_restart_while_capturing(group_id, state, waiting):
-        if state.value != "capturing" or killed:
-            return
-        names = [n for n in ray.util.list_named_actors() if n.startswith(f"graphfleet-{group_id}-")]
-        newest = max(names, key=lambda n: int(n.split("-")[-2]))
-        if not newest.startswith(f"graphfleet-{group_id}-0-"):
-            killed.append(newest)
-            ray.kill(ray.get_actor(newest), no_restart=True)  # before the capture call reaches it
-
-    with Fleet.start(_config(path), name="cap", on_group_state=kill_the_first_restart_while_capturing) as fleet:
-        group = fleet_group(fleet, "cap-c0")
-        threads, results, progress = _open_streams(fleet, prompts, GREEDY)
-        _wait_until(lambda: sum(p >= 2 for p in progress) >= 2, 60, "streams decoding")
-        ray.kill(group.rank_actors()[0], no_restart=True)
-        _join(threads, 200)
-        assert killed == ["graphfleet-cap-c0-1-rank0"]
-        assert [results[i][0] for i in range(4)] == expected
-        assert [results[i][1].finish_reason for i in range(4)] == ["length"] * 4
-        assert group.restarts == 2 and group.health()["generation"] == 2
-        _wait_until(lambda: fleet.health()["status"] == "ready" and _pages_back(fleet), 60, "fleet ready again")
 
 
 # ----- graceful shutdown -----
