@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from worker.sampling import SamplingParams
-from worker.sampling.sampler import SampleOutput, SamplingBatch, _log_exponential, _row_keys, sample
+from worker.sampling.sampler import SampleOutput, SamplingBatch, _log_exponential, _row_keys, sample, top_k_rows
 
 CPU = torch.device("cpu")
 
@@ -367,3 +367,20 @@ def test_rows_kept_for_the_same_batch_equal_rows_built_afresh():
         SamplingBatch.build([a], [1], [True], CPU, rows=rows)
     with pytest.raises(ValueError, match="seed must be an int"):
         SamplingBatch.build([a], [1.5], [0], CPU, rows=rows)
+
+
+@pytest.mark.parametrize("vocab", [32000, 32001, 128256, 1000])
+def test_top_k_rows_equals_topk_values_with_ties_and_infinities(vocab):
+    """The chunked top-k returns ``topk``'s values (ids: entries holding them, no repeats), also
+    when equal values straddle chunks, a row is mostly -inf, or the top entries share one chunk."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = torch.round(x[1] * 2)  # few distinct values: ties everywhere, also at the k-th value
+    x[2] = -math.inf
+    x[2, vocab - 1] = 0.0  # the last (possibly padded) chunk holds the only finite entry
+    x[3, 300:340] = 9.0  # more entries equal to the maximum than k, inside three chunks
+    for k in (1, 7, 20):
+        values, ids = top_k_rows(x, k)
+        assert torch.equal(values, x.topk(k, dim=-1, sorted=True).values)
+        assert torch.equal(x.gather(1, ids), values)
+        assert all(len(set(row)) == k for row in ids.tolist())

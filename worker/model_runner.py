@@ -128,10 +128,10 @@ class ModelRunner:
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probabilities of ``targets`` after the tokens at ``at`` (and the ``width`` most likely
         tokens there), from the unprocessed logits, a slice of positions at a time so the float32
-        logits stay under 512 MiB whatever the prompt's length."""
+        logits and their log-softmax stay under 512 MiB together whatever the prompt's length."""
         at_dev, target_dev = self._sampling_staging.stage([at, targets])
         vocab = self.model.arch.vocab_size
-        step = max(1, (1 << 27) // vocab)
+        step = max(1, (1 << 26) // vocab)
         parts = [logprobs_of(self.model.compute_logits(hidden.index_select(0, at_dev[begin: begin + step])),
                              target_dev[begin: begin + step], width)
                  for begin in range(0, len(at), step)]
