@@ -12,6 +12,7 @@ from worker.config import EngineConfig
 
 ClusterMode = Literal["colocated", "disaggregated"]
 KVTransport = Literal["object_store", "nccl", "cuda_ipc"]
+Routing = Literal["prefix_aware", "least_loaded"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,16 @@ class ClusterConfig(Section):
     restart: start a fresh group in the background when one dies.
     collectives_at_tp1: run the all-reduce even at tp_size 1 (a no-op on values) so one GPU can
         verify that NCCL collectives are captured inside graphs.
+    num_colocated_groups: groups when mode is colocated (>= 1): data-parallel replicas, each a
+        whole model (tp_size ranks) with its own KV cache, behind the fleet's router.
     num_prefill_groups, num_decode_groups: groups per role when mode is disaggregated (>= 1).
+    routing: how the router picks among prefill-capable groups that can take a request now:
+        "prefix_aware" (the group whose cache most likely holds the request's leading pages, within
+        routing_imbalance_tokens of the least-loaded group's outstanding tokens) or
+        "least_loaded" (fewest outstanding tokens). See :mod:`fleet.router`.
+    routing_imbalance_tokens: how many more outstanding tokens than the least-loaded group a
+        prefix-matched group may have and still be chosen (>= 0).
+    routing_prefix_pages: leading full prompt pages the router hashes and matches (>= 1).
     prefill_tp_size, decode_tp_size: each role's tp degree; None = tp_size (equal for hand-off).
     kv_transport: how KV moves from prefill to decode ranks: "object_store" (anywhere), "cuda_ipc"
         (groups sharing one GPU), "nccl" (point-to-point between matching ranks; gloo on CPU).
@@ -49,6 +59,7 @@ class ClusterConfig(Section):
     cpus_per_rank: float = 0.25
     restart: bool = True
     collectives_at_tp1: bool = False
+    num_colocated_groups: int = 1
     num_prefill_groups: int = 1
     num_decode_groups: int = 1
     prefill_tp_size: int | None = None
@@ -57,6 +68,9 @@ class ClusterConfig(Section):
     handoff_timeout_s: float = 60.0
     lost_after_s: float = 60.0
     max_attempts: int = 3
+    routing: Routing = "prefix_aware"
+    routing_imbalance_tokens: int = 8192
+    routing_prefix_pages: int = 128
 
     def __post_init__(self) -> None:
         check_min(self.tp_size, "tp_size", 1)
@@ -65,8 +79,10 @@ class ClusterConfig(Section):
         check(0 < self.gpus_per_rank <= 1, "gpus_per_rank", f"must be in (0, 1], got {self.gpus_per_rank!r}")
         check(self.cpus_per_rank > 0, "cpus_per_rank", f"must be > 0 (a placement group bundle cannot be empty), "
                                                        f"got {self.cpus_per_rank!r}")
-        for key in ("num_prefill_groups", "num_decode_groups", "prefill_tp_size", "decode_tp_size", "max_attempts"):
+        for key in ("num_colocated_groups", "num_prefill_groups", "num_decode_groups", "prefill_tp_size",
+                    "decode_tp_size", "max_attempts", "routing_prefix_pages"):
             check_min(getattr(self, key), key, 1)
+        check_min(self.routing_imbalance_tokens, "routing_imbalance_tokens", 0)
         for key in ("handoff_timeout_s", "lost_after_s"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)!r}")
 

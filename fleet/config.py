@@ -85,7 +85,7 @@ def _check_handoff_tp(cluster: ClusterConfig) -> None:
 def group_layout(cluster: ClusterConfig, name: str) -> list[tuple[str, Role]]:
     """(group id, role) of every group of fleet ``name``, prefill groups first."""
     if cluster.mode != "disaggregated":
-        return [(f"{name}-c0", "colocated")]
+        return [(f"{name}-c{i}", "colocated") for i in range(cluster.num_colocated_groups)]
     return ([(f"{name}-p{i}", "prefill") for i in range(cluster.num_prefill_groups)]
             + [(f"{name}-d{i}", "decode") for i in range(cluster.num_decode_groups)])
 

@@ -74,7 +74,9 @@ class Fleet:
                  tokenizer: Tokenizer | None, max_model_len: int) -> None:
         self.config, self.fleet_config, self.members = config, fleet_config, members
         self.tokenizer = tokenizer
-        self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests)
+        c = config.cluster
+        self.router = Router(config.cache.page_size, config.scheduler.max_waiting_requests, c.routing,
+                             c.routing_imbalance_tokens, c.routing_prefix_pages)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified whenever a request ends
         self._live: set[str] = set()
@@ -338,8 +340,10 @@ class Fleet:
     def health(self) -> dict:
         """Fleet status (ready | starting | degraded | dead; draining, then stopped, once :meth:`drain` or
         :meth:`shutdown` has begun) and per group: role, state (starting,
-        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests, and
-        ``waiting`` (:meth:`cluster.rank.PlacementWait.health`) while its restart waits for resources."""
+        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests, the page
+        keys the router believes it caches (``prefix_keys``), and ``waiting``
+        (:meth:`cluster.rank.PlacementWait.health`) while its restart waits for resources; ``routing``:
+        the policy and how many placements followed a prefix away from the least-loaded group."""
         with self._loop.health_lock:
             snapshot = dict(self._loop.health)
         snapshot["groups"] = {k: dict(v) for k, v in snapshot.get("groups", {}).items()}

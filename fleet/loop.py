@@ -192,6 +192,7 @@ class FleetLoop:
                 continue
             if self.replans:
                 self.replans.left(member)
+            self.router.forget_group(member.group_id)  # its KV cache, prefixes included, is gone
             # The KV of every request on this group's engine went with it (or with its old
             # generation): re-prefill them (oldest first) here once it is back, or elsewhere.
             moved = sorted(member.assigned.values(), key=lambda fr: fr.submitted)
@@ -359,6 +360,7 @@ class FleetLoop:
                 "tp_size": g.config.cluster.tp_size, "generation": g.generation, "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": usable, "free_pages": free, "requests": len(s.assigned),
                 "waiting": g.waiting.health(now) if g.waiting is not None else None,
+                "prefix_keys": self.router.affinity.size(s.group_id),
                 "start_seconds": dict(g.start_seconds),
             }
         states = {v["state"] for v in groups.values()}
@@ -367,7 +369,8 @@ class FleetLoop:
             "starting" if states <= {"ready", "starting", "capturing"} else "degraded"
         snapshot = {"status": status, "mode": self.cluster.mode, "groups": groups,
                     "queued": len(self.router.queue), "handoffs": len(self.router.handoffs),
-                    "in_flight": len(self.requests), "finished": self.finished, "failed": self.failed}
+                    "in_flight": len(self.requests), "finished": self.finished, "failed": self.failed,
+                    "routing": {"policy": self.router.policy, "prefix_routed": self.router.prefix_routed}}
         with self.health_lock:
             self.health = snapshot
 

@@ -43,6 +43,6 @@ class FleetMember:
         return "degraded"  # dead or restarting after a failure
 
     def load(self, max_model_len: int) -> GroupLoad:
-        free, _, requests, tokens = self.client.load()
+        free, usable, requests, tokens = self.client.load()
         return GroupLoad(self.group_id, self.role, self.ready, free, requests,
-                         self.group.config.scheduler.max_running_requests, tokens, max_model_len)
+                         self.group.config.scheduler.max_running_requests, tokens, max_model_len, usable)

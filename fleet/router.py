@@ -8,6 +8,19 @@ enough free KV pages (keeping one page of headroom per running request, as the s
 the one with the fewest outstanding tokens. The decode group is chosen at hand-off time, not at
 admission, so it reflects the decode load when the KV is ready.
 
+Prefix-aware routing (``cluster.routing: prefix_aware``, the default; it matters with more than one
+prefill-capable group): among the groups that can take the request now, the one whose
+:class:`fleet.prefix_affinity.PrefixAffinity` table matches most of the request's leading page keys
+(its first ``cluster.routing_prefix_pages`` full pages) gets it, unless that group's outstanding
+tokens exceed the least-loaded group's by more than ``cluster.routing_imbalance_tokens``: then the
+least-loaded group does (ties in the match go to the less loaded). A prefix no group matches goes to
+the least-loaded group, among equally loaded ones the one caching fewest pages (so distinct prefixes
+spread over idle groups, as SGLang's router sends them to its smallest tree).
+A cache hit saves its group the prefix's prefill; the bound keeps a popular prefix from piling every
+request onto one group while others idle (SGLang's cache-aware router and Ray Serve LLM's
+prefix-aware router fall back to load balancing on imbalance the same way). Every placement on a
+prefill-capable group records the request's keys in that group's table.
+
 Backpressure: only new requests count against ``scheduler.max_waiting_requests`` (checked in the caller's
 thread by :class:`AdmissionGate`); a request already accepted is never refused later.
 """
@@ -15,11 +28,17 @@ thread by :class:`AdmissionGate`); a request already accepted is never refused l
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
+from fleet.prefix_affinity import PrefixAffinity
 from fleet.request import FleetRequest
+from worker.prefix_hash import PageKey, page_keys
+
+RoutingPolicy = Literal["prefix_aware", "least_loaded"]
 
 
 class Overloaded(RuntimeError):
@@ -59,16 +78,31 @@ class GroupLoad:
     max_running: int
     outstanding_tokens: int  # prefill tokens still to compute + decode tokens still to generate
     max_model_len: int
+    usable_pages: int = 1 << 30  # the group's KV pages (bounds its prefix-affinity table)
 
 
 class Router:
     """Chooses groups for requests; see the module docstring for the policy."""
 
-    def __init__(self, page_size: int, max_waiting_requests: int) -> None:
+    def __init__(self, page_size: int, max_waiting_requests: int, policy: RoutingPolicy = "prefix_aware",
+                 imbalance_tokens: int = 8192, prefix_pages: int = 128) -> None:
         self.page_size = page_size
         self.gate = AdmissionGate(max_waiting_requests)
         self.queue: deque[FleetRequest] = deque()
         self.handoffs: deque[FleetRequest] = deque()
+        self.policy = policy
+        self.imbalance_tokens = imbalance_tokens
+        self.prefix_pages = prefix_pages
+        self.affinity = PrefixAffinity()
+        self._keys: weakref.WeakKeyDictionary[FleetRequest, list[PageKey]] = weakref.WeakKeyDictionary()
+        self.prefix_routed = 0  # placements that went to the best-matching group over the least loaded
+
+    def page_keys(self, request: FleetRequest) -> list[PageKey]:
+        """The keys of ``request``'s first ``prefix_pages`` full prompt pages (computed once per request)."""
+        keys = self._keys.get(request)
+        if keys is None:
+            keys = self._keys[request] = page_keys(request.prompt_ids, self.page_size, limit=self.prefix_pages)
+        return keys
 
     def pages(self, num_tokens: int) -> int:
         """KV pages that ``num_tokens`` tokens take."""
@@ -81,15 +115,37 @@ class Router:
     def pick_prefill(self, loads: Iterable[GroupLoad], request: FleetRequest) -> GroupLoad | None:
         """The prefill (or colocated) group to prefill ``request`` on now, or None to keep it queued."""
         fits = [g for g in loads if g.role in ("prefill", "colocated") and self._fits(g, request.num_tokens)]
-        return min(fits, key=lambda g: (g.outstanding_tokens, g.running, g.group_id), default=None)
+        least = min(fits, key=_least_loaded, default=None)
+        if self.policy != "prefix_aware" or len(fits) < 2:
+            return least
+        keys = self.page_keys(request)
+        matches = {g.group_id: self.affinity.match(g.group_id, keys) for g in fits}
+        best = min(fits, key=lambda g: (-matches[g.group_id], *_least_loaded(g)))
+        if matches[best.group_id] == 0:  # a new prefix: among the least loaded, the group caching least
+            return min(fits, key=lambda g: (*_least_loaded(g)[:2], self.affinity.size(g.group_id), g.group_id))
+        if best.outstanding_tokens - least.outstanding_tokens > self.imbalance_tokens:
+            return least
+        if best is not least:
+            self.prefix_routed += 1
+        return best
 
     def pick_decode(self, loads: Iterable[GroupLoad], request: FleetRequest) -> GroupLoad | None:
         """The decode group to receive ``request``'s KV now, or None to let it wait."""
         fits = [g for g in loads if g.role == "decode" and self._fits(g, request.num_tokens - 1)]
-        return min(fits, key=lambda g: (g.outstanding_tokens, g.running, g.group_id), default=None)
+        return min(fits, key=_least_loaded, default=None)
 
     def assign(self, load: GroupLoad, request: FleetRequest, num_kv_tokens: int, tokens: int) -> None:
         """Account ``request`` (``num_kv_tokens`` of KV, ``tokens`` of work) to ``load``."""
         load.running += 1
         load.free_pages -= self.pages(num_kv_tokens)
         load.outstanding_tokens += tokens
+        if load.role in ("prefill", "colocated") and self.policy == "prefix_aware":
+            self.affinity.record(load.group_id, self.page_keys(request), load.usable_pages)
+
+    def forget_group(self, group_id: str) -> None:
+        """``group_id`` died or restarted: whatever it cached is gone."""
+        self.affinity.forget(group_id)
+
+
+def _least_loaded(load: GroupLoad) -> tuple:
+    return load.outstanding_tokens, load.running, load.group_id

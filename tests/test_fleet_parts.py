@@ -86,7 +86,7 @@ def test_kv_pages_export_import_roundtrip(path):
 
 
 def test_router_picks_least_loaded_ready_group_with_pages():
-    router = Router(page_size=16, max_waiting_requests=4)
+    router = Router(page_size=16, max_waiting_requests=4, policy="least_loaded")  # prefix_aware: test_prefix_routing
     req = FleetRequest("r", [1] * 40, GREEDY, 0, None)  # 3 pages of KV
     loads = [GroupLoad("p0", "prefill", True, 100, 2, 8, 500, 2032),
              GroupLoad("p1", "prefill", True, 100, 1, 8, 100, 2032),
