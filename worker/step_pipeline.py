@@ -180,8 +180,9 @@ class StepPipeline:
                 continue  # ended or restarted after this step was sent: the token is not its
             req.num_pending -= 1
             k = req.params.top_logprobs
-            if k and tops is not None:
-                lp = (lp, tops[0][row][:k], tops[1][row][:k])
+            if k and tops is not None:  # the rows are this step's own lists: kept whole when all are asked for
+                ids, values = tops[0][row], tops[1][row]
+                lp = (lp, ids, values) if k == len(ids) else (lp, ids[:k], values[:k])
             landed.append((req, token, lp))
         if step.scored and result.prompt_logprobs is not None:
             _land_prompt_logprobs(step.scored, result.prompt_logprobs)
