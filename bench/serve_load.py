@@ -95,6 +95,13 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
     return [[rng.randrange(10, vocab_size) for _ in range(length)] for _ in range(n)]
 
 
+def shared_prefix_prompts(n: int, prefix_len: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of one common ``prefix_len``-token system prompt followed by ``length`` distinct
+    random tokens each (issue 20's shared-prefix load: 1,024 common + 64 distinct)."""
+    common = random_prompts(1, prefix_len, vocab_size, seed)[0]
+    return [common + tail for tail in random_prompts(n, length, vocab_size, seed + 1)]
+
+
 async def _one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> RequestRecord:
     rec = RequestRecord(sent=time.perf_counter())
     try:

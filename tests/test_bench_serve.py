@@ -273,3 +273,24 @@ graphfleet_gc_pause_seconds_sum{generation="0",process="replica"} 0.004
     assert totals["gen2_count"] == 3 and totals["gen2_s"] == pytest.approx(0.30)
     assert totals["gen0_count"] == 40 and totals["gen0_s"] == pytest.approx(0.004)
     assert gc_pause_totals("") == {}
+
+
+def test_prefix_cache_counts_sum_ours_and_vllms_series_and_shared_prefix_prompts_share_it():
+    from bench.serve_load import shared_prefix_prompts
+    from bench.serve_vs_vllm import prefix_cache_counts
+
+    text = (b"# HELP prefix_cache_hits_total Prompt tokens found in the prefix cache\n"
+            b'graphfleet_prefix_cache_hits_total{group="c0"} 96.0\n'
+            b'graphfleet_prefix_cache_hits_total{group="c1"} 32.0\n'
+            b'graphfleet_prefix_cache_queries_total{group="c0"} 200.0\n'
+            b'vllm:prefix_cache_queries_total{engine="0"} 56.0\n'
+            b"graphfleet_prefix_cache_hits_created 1.7e9\n")
+    httpd, base = _server([(200, text)])
+    try:
+        assert prefix_cache_counts(base) == (128.0, 256.0)
+    finally:
+        httpd.shutdown()
+    prompts = shared_prefix_prompts(4, 16, 5, 1000, seed=3)
+    assert all(len(p) == 21 and p[:16] == prompts[0][:16] for p in prompts)
+    assert len({tuple(p[16:]) for p in prompts}) == 4
+    assert shared_prefix_prompts(1, 16, 5, 1000, seed=4)[0][:16] != prompts[0][:16]
