@@ -50,7 +50,11 @@ class PrefillGraphConfig(Section):
     backend: how prefill chunks run: "breakable", "full" or "tc_piecewise" graphs, "eager" (no graph), or "debug".
     token_buckets: captured token counts, strictly increasing; None = default ladder up to max_tokens.
     max_tokens: largest captured bucket; None = scheduler.chunked_prefill_size.
-    num_request_slots: requests per captured prefill; None = max(1, chunked_prefill_size // 512).
+    num_request_slots: request rows per captured prefill shape; a step with more rows runs eagerly
+        (too_many_requests). None = scheduler.max_running_requests with mixed steps on (a mixed step
+        has a row per running request: its decode rows and its prefill chunks), else
+        max(1, chunked_prefill_size // 512). Each slot costs a (hidden,) row of the static output
+        and a row of every plan (sentinel rows are empty: flashinfer schedules no work for them).
     max_padding_ratio: replay a bucket only if bucket / actual tokens <= this, else run eager (>= 1).
     """
 
@@ -78,10 +82,13 @@ class PrefillGraphConfig(Section):
             return self.max_tokens
         return self.token_buckets[-1] if self.token_buckets else chunked_prefill_size
 
-    def resolved_num_request_slots(self, chunked_prefill_size: int) -> int:
-        """``num_request_slots`` with None resolved."""
+    def resolved_num_request_slots(self, chunked_prefill_size: int, mixed_step_rows: int | None = None) -> int:
+        """``num_request_slots`` with None resolved; ``mixed_step_rows``: the most rows a mixed step
+        has (the scheduler's max_running_requests) when mixed steps are on, else None."""
         if self.num_request_slots is not None:
             return self.num_request_slots
+        if mixed_step_rows is not None:
+            return mixed_step_rows
         return max(1, chunked_prefill_size // 512)
 
 

@@ -31,16 +31,18 @@ class EagerRunner:
         """Always eager, with this runner's reason."""
         return BucketChoice(None, self.reason)
 
-    def run(self, batch: object, eager: Callable[[], Output]) -> Output:
-        """``eager()``, the pass counted as eager with this runner's reason."""
+    def run(self, batch: object, eager: Callable[[], Output], label: str | None = None) -> Output:
+        """``eager()``, the pass counted as eager with this runner's reason, under the phase label
+        ``label`` (default: this runner's phase)."""
         if self.metrics is not None:
-            self.metrics.record_pass(self.phase, None, self.reason)
+            self.metrics.record_pass(label or self.phase, None, self.reason)
         return eager()
 
-    def record_eager(self, reason: str) -> None:
-        """Count one eager pass of this phase with ``reason`` (a pass run outside :meth:`run`)."""
+    def record_eager(self, reason: str, label: str | None = None) -> None:
+        """Count one eager pass of this phase (or under ``label``) with ``reason`` (a pass run
+        outside :meth:`run`)."""
         if self.metrics is not None:
-            self.metrics.record_pass(self.phase, None, reason)
+            self.metrics.record_pass(label or self.phase, None, reason)
 
     def release(self) -> None:
         """Nothing to release (no graphs)."""

@@ -10,7 +10,10 @@ MODE_SUFFIX = {"full": "cuda_graph", "breakable": "breakable", "tc_piecewise": "
 
 
 def pass_mode(phase: str, backend: str | None) -> str:
-    """``decode_cuda_graph``, ``decode_breakable``, ``prefill_tc_piecewise`` or ``<phase>_none``."""
+    """``decode_cuda_graph``, ``decode_breakable``, ``prefill_tc_piecewise`` or ``<phase>_none``.
+
+    Phases: ``decode``, ``prefill``, and ``mixed`` (a step of decode rows and prefill chunks, run by
+    the prefill runner: ``mixed_breakable``, ``mixed_cuda_graph``, ``mixed_none``, ...)."""
     return f"{phase}_{MODE_SUFFIX.get(backend or '', 'none')}"
 
 

@@ -38,11 +38,13 @@ class PhaseRunner(Protocol[Batch, Output]):
     def decide(self, batch: Batch) -> BucketChoice:
         """The captured shape ``batch`` replays at, or the reason it runs eagerly (pure)."""
 
-    def run(self, batch: Batch, eager: Callable[[], Output]) -> Output:
-        """Replay ``batch`` when :meth:`decide` says so, else return ``eager()``; records the pass."""
+    def run(self, batch: Batch, eager: Callable[[], Output], label: str | None = None) -> Output:
+        """Replay ``batch`` when :meth:`decide` says so, else return ``eager()``; records the pass
+        under the phase label ``label`` (default: the runner's phase)."""
 
-    def record_eager(self, reason: str) -> None:
-        """Count one eager pass of this phase with ``reason`` (a pass run outside :meth:`run`)."""
+    def record_eager(self, reason: str, label: str | None = None) -> None:
+        """Count one eager pass of this phase (or under ``label``) with ``reason`` (a pass run
+        outside :meth:`run`)."""
 
     def release(self) -> None:
         """Release every captured graph (before what they point at)."""
@@ -134,33 +136,37 @@ class GraphRunner(ABC, Generic[Batch, Output]):
 
     # ----- execution -----
 
-    def run(self, batch: Batch, eager: Callable[[], Output]) -> Output:
+    def run(self, batch: Batch, eager: Callable[[], Output], label: str | None = None) -> Output:
         """Replay ``batch`` when the predicate says so, else count the eager pass and return ``eager()``.
 
-        A replayed result is a view of the static outputs: consume it before the next step.
+        ``label``: the phase label the pass is counted under (default :attr:`phase`; the prefill
+        runner also runs ``mixed`` passes). A replayed result is a view of the static outputs:
+        consume it before the next step.
         """
         choice = self.decide(batch)
         if choice.replays:
-            return self.execute(batch, choice)
-        self.record_eager(choice.reason)
+            return self.execute(batch, choice, label)
+        self.record_eager(choice.reason, label)
         return eager()
 
-    def execute(self, batch: Batch, choice: BucketChoice) -> Output:
-        """Load ``batch`` into the static buffers of ``choice.size``, replay, slice the outputs."""
+    def execute(self, batch: Batch, choice: BucketChoice, label: str | None = None) -> Output:
+        """Load ``batch`` into the static buffers of ``choice.size``, replay, slice the outputs
+        (the pass counted under ``label``, default :attr:`phase`)."""
         if not choice.replays:
             raise ValueError(f"execute needs a shape to replay; decide() said eager ({choice.reason})")
         self.load(batch, choice.size)
         self.backend.replay(choice.size)
         if self.metrics is not None:
-            self.metrics.record_padding(self.phase, choice.size, self.batch_size(batch))
-            self.metrics.record_pass(self.phase, self.backend.name if self.backend.is_graph else None,
+            phase = label or self.phase
+            self.metrics.record_padding(phase, choice.size, self.batch_size(batch))
+            self.metrics.record_pass(phase, self.backend.name if self.backend.is_graph else None,
                                      None if self.backend.is_graph else self.backend.name)
         return self.outputs(batch)
 
-    def record_eager(self, reason: str) -> None:
-        """Count one eager pass of this phase with ``reason``."""
+    def record_eager(self, reason: str, label: str | None = None) -> None:
+        """Count one eager pass of this phase (or under ``label``) with ``reason``."""
         if self.metrics is not None:
-            self.metrics.record_pass(self.phase, None, reason)
+            self.metrics.record_pass(label or self.phase, None, reason)
 
     def release(self) -> None:
         self.backend.release()

@@ -1,4 +1,4 @@
-"""Random decode and prefill batches over a KV cache full of random data, for graph-vs-eager
+"""Random decode, prefill and mixed batches over a KV cache full of random data, for graph-vs-eager
 comparisons, and reference padding: the padded batches a runner's plan must match, built as lists."""
 
 from __future__ import annotations
@@ -73,6 +73,26 @@ def random_prefill_batch(own: OwnModel, rng: random.Random, requests: int, max_n
     attention = AttentionBatch.prefill(seq_lens, new, tables)
     last = torch.tensor(new, device=device).cumsum(0) - 1  # each request's last token: the sampled rows
     return RandomPrefillBatch(LivePrefillBatch(ids, pos, attention, requests, last), set(pages))
+
+
+def random_mixed_batch(own: OwnModel, rng: random.Random, decodes: int, prefills: int,
+                       max_context: int = 200, max_new: int = 90) -> LivePrefillBatch:
+    """A mixed step as the prefill runner sees it: ``decodes`` one-token rows after a cached
+    context of 1..max_context, then ``prefills`` chunks of 2..max_new tokens after a cached prefix
+    (0 for a first chunk). The sampled rows are every decode row and the last token of each chunk
+    that samples (about 60%; a middle chunk does not)."""
+    new = [1] * decodes + [rng.randint(2, max_new) for _ in range(prefills)]
+    prefix = [rng.randint(1, max_context) for _ in range(decodes)] + [rng.choice([0, rng.randint(1, 60)])
+                                                                      for _ in range(prefills)]
+    seq_lens = [p + n for p, n in zip(prefix, new)]
+    tables, _ = random_tables(own, rng, seq_lens)
+    device = own.cache.device
+    ids = torch.tensor([rng.randrange(3, own.arch.vocab_size) for _ in range(sum(new))], device=device)
+    pos = torch.tensor([p + i for p, n in zip(prefix, new) for i in range(n)], device=device)
+    ends = torch.tensor(new, device=device).cumsum(0) - 1
+    samples = [True] * decodes + [rng.random() < 0.6 for _ in range(prefills)]
+    rows = ends[torch.tensor(samples, device=device)]
+    return LivePrefillBatch(ids, pos, AttentionBatch.prefill(seq_lens, new, tables), len(new), rows)
 
 
 def eager_hidden(own: OwnModel, live: LivePrefillBatch) -> torch.Tensor:

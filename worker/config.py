@@ -102,13 +102,14 @@ class CacheConfig(Section):
 
 @dataclass(frozen=True)
 class SchedulerConfig(Section):
-    """Request admission and batching. A step is either a prefill step or a decode batch, never both.
+    """Request admission and batching: prefill chunks, decode batches and mixed steps of both
+    (worker/scheduler.py).
 
     max_running_requests: requests admitted at once; bounds a decode batch (one token per request).
-    max_num_batched_tokens: token budget of a prefill step, which computes at most
-        min(this, chunked_prefill_size) prompt tokens (a decode batch, one token per running
-        request, is bounded by max_running_requests, not by this). Also sizes the activation
-        reserve and the attention buffers.
+    max_num_batched_tokens: token budget of a step with prefill work, which computes at most
+        min(this, chunked_prefill_size) tokens, decode rows of a mixed step included (a
+        decode-only batch, one token per running request, is bounded by max_running_requests, not
+        by this). Also sizes the activation reserve and the attention buffers.
     chunked_prefill_size: most prompt tokens one prefill step computes, over all its requests;
         longer prompts are split into chunks over several steps (<= max_num_batched_tokens).
     max_waiting_requests: queued requests before new ones are rejected.
@@ -120,6 +121,17 @@ class SchedulerConfig(Section):
         stops on EOS or a stop string has computed one token more, which is dropped. On by default
         (as SGLang's overlap scheduler and vLLM's async scheduling): faster than synchronous at every
         batch measured, in-process and through a fleet group (bench/results/actor_overhead-20261202T151520.json).
+    mixed_steps: while requests decode and prefill work waits, a step carries every decode row (one
+        token each) and a prefill chunk filling the rest of the token budget (vLLM's chunked
+        prefill, SGLang's mixed chunk), run by the prefill runner; off, a step is either a prefill
+        chunk or a decode batch and prefill goes first, so every running stream waits for whole
+        prefill steps while prompts arrive. The bound mixed steps give: a running stream that is
+        not preempted gets a token every step, and a step computes at most
+        min(max_num_batched_tokens, chunked_prefill_size) tokens, or its decode rows plus
+        mixed_prefill_tokens when that is set. A step with decodes only still replays the decode graph.
+    mixed_prefill_tokens: most prompt tokens a step that carries decode rows computes; lower it to
+        shorten the steps a running stream waits through while prompts arrive (prompts then take
+        more steps to prefill); None = all the budget the decode rows leave.
     """
 
     max_running_requests: int = 256
@@ -127,10 +139,13 @@ class SchedulerConfig(Section):
     chunked_prefill_size: int = 8192
     max_waiting_requests: int = 4096
     async_scheduling: bool = True
+    mixed_steps: bool = True
+    mixed_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size", "max_waiting_requests"):
             check_min(getattr(self, name), name, 1)
+        check_min(self.mixed_prefill_tokens, "mixed_prefill_tokens", 1)
         check(
             self.chunked_prefill_size <= self.max_num_batched_tokens,
             "chunked_prefill_size",

@@ -2,11 +2,11 @@
 
 ``Engine(config)`` loads the checkpoint named by ``config.model.path`` into a local worker,
 sizes the paged KV cache and serves requests with continuous batching, driven by the caller:
-each ``step`` sends one prefill or decode batch and reads one back (the same batch, or with
-``scheduler.async_scheduling`` the one sent by the step before: :mod:`worker.step_pipeline`),
-and the tokens read back become request events (:mod:`worker.output_processor`). ``generate``
-and ``stream`` drive ``step`` until their requests finish (other requests in the engine advance
-too).
+each ``step`` sends one prefill, decode or mixed batch (:mod:`worker.scheduler`) and reads one
+back (the same batch, or with ``scheduler.async_scheduling`` the one sent by the step before:
+:mod:`worker.step_pipeline`), and the tokens read back become request events
+(:mod:`worker.output_processor`). ``generate`` and ``stream`` drive ``step`` until their requests
+finish (other requests in the engine advance too).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
-                            sched.chunked_prefill_size, page_size), self.allocator, self.max_model_len)
+                            sched.chunked_prefill_size, page_size, sched.mixed_steps, sched.mixed_prefill_tokens),
+            self.allocator, self.max_model_len)
         self.async_scheduling = sched.async_scheduling
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.arch.eos_token_ids,
                                                 self.max_model_len)
@@ -255,7 +256,8 @@ class Engine:
     # ----- stepping -----
 
     def step(self) -> list[RequestEvent]:
-        """Send the next prefill or decode batch (if any) and read one back; the events of the requests it advanced.
+        """Send the next prefill, decode or mixed batch (if any) and read one back; the events of the
+        requests it advanced.
 
         Synchronously the batch read back is the one just sent. With ``scheduler.async_scheduling``
         a call sends the next batch and then reads back the one sent by the call before (see

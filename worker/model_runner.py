@@ -34,6 +34,9 @@ class ModelRunner:
     Each phase runs through its runner: a graph runner replays when its predicate says so and
     runs the eager forward otherwise; a phase without graphs has the eager runner
     (:class:`graphs.eager.EagerRunner`). Either way the pass is counted with its mode or reason.
+    A mixed step (decode rows and prefill chunks, ``StepMessage.mixed``) is a prefill step to the
+    prefill runner, its decode rows one-token requests in its request slots, counted as ``mixed``;
+    a decode-only step goes to the decode runner.
     ``execute`` returns device tensors; reading them (``.tolist()``) is the caller's host sync.
     """
 
@@ -83,16 +86,18 @@ class ModelRunner:
         live = LiveDecodeBatch(inputs.input_ids, inputs.positions, inputs.attention)
         return self.decode_runner.run(live, lambda: self.model.compute_logits(self.forward(inputs)))
 
-    def prefill_hidden(self, inputs: StepInputs, num_requests: int) -> torch.Tensor:
-        """Final hidden states (sampled rows, hidden) of a prefill step (the rows of
-        ``inputs.logits_rows``, in order); writes the step's KV. Graph replay when possible.
+    def prefill_hidden(self, inputs: StepInputs, num_requests: int, label: str = "prefill") -> torch.Tensor:
+        """Final hidden states (sampled rows, hidden) of a prefill or mixed step (the rows of
+        ``inputs.logits_rows``, in order); writes the step's KV. Graph replay when possible; the
+        pass is counted under ``label`` (``prefill`` or ``mixed``).
 
         A replayed result is a view of the runner's static output: consume it before the next step.
         """
         self.profile.record_prefill(inputs.input_ids.shape[0], num_requests)
         live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests,
                                 inputs.logits_rows)
-        return self.prefill_runner.run(live, lambda: self.forward(inputs).index_select(0, inputs.logits_rows))
+        return self.prefill_runner.run(live, lambda: self.forward(inputs).index_select(0, inputs.logits_rows),
+                                       label)
 
     def execute(self, msg: StepMessage, previous: torch.Tensor | None = None,
                 ) -> tuple[SampleOutput | None, torch.Tensor | None]:
@@ -102,12 +107,13 @@ class ModelRunner:
         prompt = None
         if not msg.is_prefill:
             logits = self.decode_logits(inputs)
-        else:
+        else:  # a prefill step, or a mixed one (its decode rows are one-token requests)
+            label = "mixed" if msg.mixed else "prefill"
             if msg.prompt_logprobs is None:
-                hidden = self.prefill_hidden(inputs, msg.num_requests)
+                hidden = self.prefill_hidden(inputs, msg.num_requests, label)
             else:  # every token's hidden state is needed: eager, counted with its reason
                 self.profile.record_prefill(inputs.input_ids.shape[0], msg.num_requests)
-                self.prefill_runner.record_eager("prompt_logprobs")
+                self.prefill_runner.record_eager("prompt_logprobs", label)
                 every = self.forward(inputs)
                 prompt = self._score_prompt(every, *msg.prompt_logprobs)
                 hidden = every.index_select(0, inputs.logits_rows)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 class StepStats:
     """What one engine step did (kept for metrics)."""
 
-    phase: str
+    phase: str  # "prefill", "decode" or "mixed" (decode rows and prefill chunks: worker.scheduler)
     batch_size: int
     num_tokens: int
     duration_s: float  # the whole step: build the message, execute, read the tokens back, events

@@ -1,10 +1,24 @@
 """Continuous batching with chunked prefill over a paged KV cache.
 
-Every step is either a prefill batch or a decode batch, never mixed: prefill work (new requests,
-the next chunk of a long prompt, recomputation after preemption) goes first, as in SGLang's
-default policy, because it admits requests and bounds time to first token; a decode step then
-advances every running request by one token. Keeping the phases apart means each step has one
-shape family (token buckets or batch-size buckets), which is what the graph runners capture.
+How a step is composed (``SchedulerLimits.mixed_steps``):
+
+- Mixed steps on (the default; vLLM's chunked prefill, SGLang's mixed chunk): while requests
+  decode and prefill work waits (new requests, the next chunk of a long prompt, recomputation
+  after preemption), a step carries every decode row first (one token each, growing pages and
+  preempting exactly as a decode step does), then prefill chunks filling the rest of the token
+  budget ``min(max_num_batched_tokens, chunked_prefill_size)`` (at most ``mixed_prefill_tokens``
+  when set), in the order a prefill step takes them. Such a step is prefill-shaped (the prefill
+  runner's token buckets and request slots); its decode rows are one-token requests.
+  **Bound**: a running request that is not preempted gets a token from every step, and a step
+  computes at most the budget's tokens (its decode rows plus ``mixed_prefill_tokens`` when set),
+  so a running stream's inter-token gap is one step of that size at most, however many prompts
+  arrive. When the decode rows alone fill the budget the step is a decode batch.
+- Mixed steps off: a step is a prefill batch or a decode batch, prefill first (SGLang's default
+  policy: it admits requests and bounds time to first token); a running stream waits one whole
+  prefill step per chunk while prompts arrive.
+
+Either way a step with nothing to prefill is a decode batch (the decode runner's batch-size
+buckets, the full decode graph), and one with nothing to decode is a prefill batch.
 
 Page accounting invariants: a page belongs to at most one request; pages are returned on
 finish, abort and preemption; a waiting request is admitted only when its chunk's pages are
@@ -25,21 +39,35 @@ from worker.request import Request, Status
 
 @dataclass(frozen=True)
 class SchedulerLimits:
+    """The scheduler's part of ``worker.config.SchedulerConfig`` (and the KV page size)."""
+
     max_running_requests: int
     max_num_batched_tokens: int
     chunked_prefill_size: int
     page_size: int
+    mixed_steps: bool = False
+    mixed_prefill_tokens: int | None = None
+
+    def mixed_prefill_budget(self, num_decode_rows: int) -> int:
+        """Prompt tokens a step carrying ``num_decode_rows`` decode rows may add (<= 0: none)."""
+        left = min(self.max_num_batched_tokens, self.chunked_prefill_size) - num_decode_rows
+        return left if self.mixed_prefill_tokens is None else min(left, self.mixed_prefill_tokens)
 
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: per request, ``num_new[i]`` tokens starting at ``start[i]``."""
+    """One step's work: per request, ``num_new[i]`` tokens starting at ``start[i]``.
+
+    A mixed step is a prefill batch whose first ``num_decode_rows`` rows are decode rows (one
+    token each, sampled), followed by prefill chunks.
+    """
 
     is_prefill: bool
     requests: list[Request]
     start: list[int]
     num_new: list[int]
     sample: list[bool]
+    num_decode_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +76,15 @@ class ScheduledBatch:
     @property
     def size(self) -> int:
         return len(self.requests)
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.num_decode_rows > 0
+
+    @property
+    def phase(self) -> str:
+        """``mixed``, ``prefill`` or ``decode``: what the step is counted as."""
+        return "mixed" if self.is_mixed else "prefill" if self.is_prefill else "decode"
 
 
 _by_arrival = attrgetter("arrival")
@@ -76,7 +113,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch (see the module docstring), or None when nothing can run."""
+        if self.limits.mixed_steps:
+            return self._schedule_mixed()
         return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        """Every decode row, then prefill chunks in the budget they leave (module docstring)."""
+        decode = self._schedule_decode()
+        if decode is None:
+            return self._schedule_prefill()
+        budget = self.limits.mixed_prefill_budget(decode.size)
+        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        if prefill is None:
+            return decode
+        return ScheduledBatch(True, decode.requests + prefill.requests, decode.start + prefill.start,
+                              decode.num_new + prefill.num_new, decode.sample + prefill.sample,
+                              num_decode_rows=decode.size)
 
     def _book(self, request: Request, total_tokens: int) -> bool:
         need = request.pages_needed(total_tokens, self.limits.page_size)
@@ -87,8 +140,11 @@ class Scheduler:
         request.pages.extend(self.allocator.allocate(need))
         return True
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = min(self.limits.max_num_batched_tokens, self.limits.chunked_prefill_size)
+    def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch | None:
+        """Prefill chunks of running requests, then admissions, within ``budget`` tokens (default:
+        min(max_num_batched_tokens, chunked_prefill_size))."""
+        if budget is None:
+            budget = min(self.limits.max_num_batched_tokens, self.limits.chunked_prefill_size)
         batch = ScheduledBatch(True, [], [], [], [])
 
         def take(req: Request) -> bool:

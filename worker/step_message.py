@@ -21,7 +21,12 @@ from worker.scheduler import ScheduledBatch
 
 @dataclass
 class StepMessage:
-    """One prefill or decode step: tokens laid out request after request."""
+    """One prefill, decode or mixed step: tokens laid out request after request.
+
+    A mixed step (``mixed``) is a prefill step whose first rows are decode rows: one-token requests
+    that sample, followed by prefill chunks; the ranks run it through the prefill runner and count
+    its pass as ``mixed``.
+    """
 
     is_prefill: bool
     input_ids: list[int]
@@ -49,6 +54,7 @@ class StepMessage:
     # The engine's own record of whose prompt positions those are, never sent to the ranks:
     # (request, first prompt position scored, how many), in the order of ``prompt_logprobs``.
     scored_prompts: list = field(default_factory=list)
+    mixed: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -65,7 +71,7 @@ class StepMessage:
                                        self.page_tables, self.logits_rows,
                                        [_param_values(p) for p in unique.values()], index, self.seeds, self.steps,
                                        self.return_logits, self.from_previous, self.penalties,
-                                       self.prompt_logprobs))
+                                       self.prompt_logprobs, self.mixed))
 
     def attention_batch(self) -> AttentionBatch:
         """The step's attention batch over this message's own lists (not copied).
@@ -90,11 +96,11 @@ def _param_object(values: tuple) -> SamplingParams:
 
 def _unpack_step_message(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
                          unique_params, param_index, seeds, steps, return_logits, from_previous,
-                         penalties, prompt_logprobs) -> StepMessage:
+                         penalties, prompt_logprobs, mixed=False) -> StepMessage:
     objects = [_param_object(v) for v in unique_params]
     return StepMessage(is_prefill, input_ids, positions, seq_lens, query_lens, page_tables, logits_rows,
                        [objects[i] for i in param_index], seeds, steps, return_logits, from_previous, penalties,
-                       prompt_logprobs)
+                       prompt_logprobs, mixed=mixed)
 
 
 @dataclass
@@ -120,9 +126,12 @@ def build_step_message(batch: ScheduledBatch, seeds: list[int], return_logits: b
     """Flatten a scheduled batch; ``seeds`` are those of the rows that sample, in order.
 
     A request with a token in flight (``num_pending``) gets a stand-in input (0) overwritten by the
-    ranks from the previous step's sampled row ``previous_rows[id(request)]``.
+    ranks from the previous step's sampled row ``previous_rows[id(request)]``. A mixed batch is laid
+    out as a prefill batch: its decode rows are one-token requests (their input token possibly in
+    flight) whose one row samples.
     """
     msg = (_decode_message if not batch.is_prefill else _prefill_message)(batch, seeds, return_logits, previous_rows)
+    msg.mixed = batch.is_mixed
     penalized = [(row, req) for row, req in enumerate(r for r, s in zip(batch.requests, batch.sample) if s)
                  if req.params.penalized]
     if penalized:

@@ -191,7 +191,7 @@ class StepPipeline:
         if self._in_flight is None:
             self.allocator.stop_holding()
         batch = step.batch
-        self.step_stats.append(StepStats("prefill" if batch.is_prefill else "decode", batch.size, batch.num_tokens,
+        self.step_stats.append(StepStats(batch.phase, batch.size, batch.num_tokens,
                                          time.perf_counter() - start, execute_s, result.rank_s,
                                          result.wait_s, result.wait_cpu_s))
         return events

@@ -276,7 +276,9 @@ class Worker:
         name, reason = self._graph_backend_name("prefill")
         if name is None:
             return EagerRunner("prefill", reason, self.graph_metrics)
-        p, chunk = self.config.graphs.prefill, self.config.scheduler.chunked_prefill_size
+        p, sched = self.config.graphs.prefill, self.config.scheduler
+        slots = p.resolved_num_request_slots(sched.chunked_prefill_size,
+                                             sched.max_running_requests if sched.mixed_steps else None)
         ladder = self._prefill_ladder(planner_candidates)
         if name == "full":
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
@@ -284,7 +286,7 @@ class Worker:
         step = self._compiled_step("prefill") if name == "tc_piecewise" else \
             ModelPrefillStep(self.model, self.attention, breakable=name != "full")
         return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder,
-                                  p.resolved_num_request_slots(chunk), p.max_padding_ratio, self.graph_metrics,
+                                  slots, p.max_padding_ratio, self.graph_metrics,
                                   self.dtype)
 
     def _compiled_step(self, phase: str) -> CompiledPrefillStep | CompiledDecodeStep:
