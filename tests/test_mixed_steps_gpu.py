@@ -77,7 +77,9 @@ def test_random_mixed_batches_match_eager(backend, attention, checkpoint_dir):
 def test_engine_mixed_steps_under_prefill_graphs_equal_eager(backend, checkpoint_dir):
     """Requests arriving while others decode: mixed steps replay the prefill graphs (a slot per
     running request by default), decode-only steps the full decode graph; greedy tokens equal the
-    eager engine's."""
+    eager engine's up to bf16 near-ties (a padded token bucket picks other GEMM kernels than the
+    eager shape: where a sequence first differs, the eager top two are within 0.25 of each other,
+    and from there on the two sequences continue different texts)."""
     if backend == "full" and not flashinfer_importable():
         pytest.skip("flashinfer not installed")
     path = checkpoint_dir("tiny-qwen2")
@@ -86,7 +88,8 @@ def test_engine_mixed_steps_under_prefill_graphs_equal_eager(backend, checkpoint
               "graphs.decode.max_batch_size=32", "graphs.prefill.max_padding_ratio=8.0"]
     rng = random.Random(3)
     work = [([rng.randrange(3, 1000) for _ in range(rng.randint(8, 300))],
-             SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True)) for _ in range(24)]
+             SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True, logprobs=True,
+                            top_logprobs=2)) for _ in range(24)]
     registry = CollectorRegistry()
     graphs = Engine(load_config(None, [*common, f"graphs.prefill.backend={backend}"]), registry=registry)
     assert graphs.worker.runner.prefill_runner.slots == 32
@@ -99,9 +102,18 @@ def test_engine_mixed_steps_under_prefill_graphs_equal_eager(backend, checkpoint
                 if pending:
                     ids.append(engine.add_request(*pending.pop(0)))
             engine.step()
-        return [engine.output(i).token_ids for i in ids]
+        return [engine.output(i) for i in ids]
 
-    assert run(graphs) == run(eager)
+    same = 0
+    for got, want in zip(run(graphs), run(eager)):
+        first = next((j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if first is None:
+            assert len(got.token_ids) == len(want.token_ids)
+            same += 1
+            continue
+        _, _, top = want.logprobs[first]
+        assert top[0] - top[1] <= 0.25, f"token {first} differs by a clear margin ({top[0] - top[1]:.3f})"
+    assert same >= len(work) - 3, f"only {same} of {len(work)} sequences equal"
     mixed = sum(s.phase == "mixed" for s in graphs.step_stats)
     assert mixed >= 5
     mode = MODES[backend]
