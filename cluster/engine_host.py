@@ -72,7 +72,11 @@ class EngineHost:
         self._resolver = ThreadPoolExecutor(max_workers=RESOLVE_THREADS, thread_name_prefix="kv-resolve")
         self._resolving: dict[str, tuple[Prefilled, Future]] = {}  # engine id -> (command, its shards), FIFO
         self._resolved = False  # a resolution finished since the loop last looked
-        self.engine = Engine(config, executor=executor, tokenizer=load_tokenizer(config.model.path))
+        # The engine's metrics (prefix_cache_*) join the leader's registry, labelled as its rank's.
+        leader = getattr(executor, "worker", None)
+        self.engine = Engine(config, executor=executor, tokenizer=load_tokenizer(config.model.path),
+                             registry=getattr(leader, "registry", None),
+                             metric_labels=getattr(leader, "metric_labels", None))
         self.engine.cap_max_model_len(max_model_len)
         self._stage, self._resolve, self._import_shard = stage, resolve, import_shard
         self._cond = threading.Condition()

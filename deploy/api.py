@@ -283,7 +283,7 @@ def _submit(fleet, prepared: PreparedRequest, param: str, timeout_s: float | Non
 def _usage(jobs: list[Job], outs, prompt_only: bool = False) -> p.Usage:
     prompt = sum(j.prompt_len for j in jobs)
     completion = 0 if prompt_only else sum(len(o.token_ids) for o in outs)
-    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return p.Usage.of(prompt, completion, sum(o.cached_tokens for o in outs))
 
 
 def _failed(outputs) -> ApiError | None:

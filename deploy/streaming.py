@@ -199,7 +199,7 @@ class _StreamState:
     def usage(self) -> p.Usage:
         prompt = sum(j.prompt_len for j in self.jobs)
         completion = sum(self.completion.values())
-        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return p.Usage.of(prompt, completion, sum(j.handle.cached_tokens for j in self.jobs))
 
     def close(self) -> None:
         """Count the choices a disconnect cut short (their requests are aborted by :func:`_merged`)."""

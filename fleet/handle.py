@@ -62,6 +62,12 @@ class RequestHandle:
         return self._request.phases
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens its engine found in the prefix cache (:attr:`worker.outputs.RequestEvent.cached_tokens`);
+        0 until the first token is delivered."""
+        return self._request.cached_tokens or 0
+
+    @property
     def finished(self) -> bool:
         """Whether the request's final event has been read; its output, if read, always comes after it."""
         return self._finished

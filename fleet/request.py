@@ -194,6 +194,7 @@ class FleetRequest:
     token_times: list[float] = field(default_factory=list)  # monotonic delivery time of each token
     phases: tuple[float, float] | None = None  # the engine's queue and prefill seconds (RequestEvent.phases)
     prompt_logprobs: list | None = None  # RequestEvent.prompt_logprobs, from the first event that has them
+    cached_tokens: int | None = None  # RequestEvent.cached_tokens, from the first event that has them
 
     @property
     def deadline(self) -> float | None:
@@ -214,6 +215,8 @@ class FleetRequest:
             self.phases = event.phases
         if event.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = event.prompt_logprobs
+        if event.cached_tokens is not None and self.cached_tokens is None:
+            self.cached_tokens = event.cached_tokens
         self.output_ids.extend(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)
@@ -229,6 +232,6 @@ class FleetRequest:
         self.deliver(event)
         out = RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids), self.text, reason,
                             list(self.logprobs) if self.params.logprobs else None, self.moves, error, failure,
-                            event.stop_reason, self.prompt_logprobs)
+                            event.stop_reason, self.prompt_logprobs, self.cached_tokens or 0)
         self.sink.put(out)
         return out

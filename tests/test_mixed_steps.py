@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from deploy.config import load_config
 from graphs.backends import DebugBackend
-from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
 from graphs.metrics import GraphMetrics
+from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
 from tests.graph_harness import eager_hidden, fill_cache_randomly, pad_prefill_batch, random_mixed_batch
 from tests.reference import OwnModel, rel_err
 from worker.engine import Engine
@@ -83,7 +83,7 @@ def test_200_random_greedy_requests_equal_with_mixed_steps_on_and_off(checkpoint
     assert phases == {"prefill", "decode", "mixed"} and "mixed" not in {s.phase for s in engines[False].step_stats}
     assert max(s.num_tokens for s in engines[True].step_stats if s.phase != "decode") <= 128
     assert results[True] == results[False]
-    for i, (prompt, max_tokens, abort_at) in enumerate(requests):
+    for i, (_, max_tokens, abort_at) in enumerate(requests):
         tokens, reason = results[True][i]
         assert (reason, len(tokens)) == (("abort", abort_at) if abort_at is not None else ("length", max_tokens))
     whole = make_engine(path, False).generate(  # unchunked, roomy: no preemption

@@ -236,6 +236,43 @@ def test_disaggregated_matches_engine(disagg_client, reference, path):
     assert r.choices[0].message.content == ref.text
 
 
+def test_usage_reports_cached_prompt_tokens(client, disagg_client, reference, path):
+    """Prefix caching (on by default): a prompt starting with the 64 tokens (4 pages) of one served
+    before reports them in ``usage.prompt_tokens_details.cached_tokens``, OpenAI's field, streamed
+    (include_usage) or not; colocated, and disaggregated, where the prefill group caches. Outputs are
+    still the engine's. Chat: the two conversations' common full pages."""
+    from worker.tokenizer import Tokenizer
+
+    gen = torch.Generator().manual_seed(20)
+    for c in (client, disagg_client):
+        shared = torch.randint(3, 1024, (64,), generator=gen).tolist()
+        first = c.completions.create(model="tiny", prompt=shared + [5] * 10, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = shared + [6] * 20
+        r = c.completions.create(model="tiny", prompt=second, max_tokens=MAX_TOKENS, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens_details.cached_tokens == 64 and r.usage.prompt_tokens == 84
+        assert r.choices[0].text == reference(second).text
+        chunks = list(c.completions.create(model="tiny", prompt=shared + [7] * 3, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+
+    tok = Tokenizer.from_dir(path)
+    system = {"role": "system", "content": "You answer questions about lighthouses, keepers and the sea. " * 4}
+    chats = [[system, {"role": "user", "content": q}] for q in ("Who kept the light?", "What did he dry?")]
+    ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True), add_special_tokens=False)
+           for m in chats]
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    expect = min(common, len(ids[1]) - 1) // 16 * 16
+    assert expect >= 32
+    for m in chats:
+        r = client.chat.completions.create(model="tiny", messages=m, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens_details.cached_tokens == expect
+
+
 def test_sse_wire_format(server):
     status, text, hdrs = _http("POST", f"{server}/v1/completions",
                                {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True,

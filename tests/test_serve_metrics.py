@@ -117,9 +117,19 @@ def test_metrics_count_the_requests_sent(server, client):
     for name, labels in graph:
         assert labels.get("rank") == "0" and GROUPS.get(labels.get("group")) == labels.get("role"), (name, labels)
     assert {labels["group"] for _, labels in graph} == set(GROUPS)
-    for family in ("graphfleet_step_wait_seconds_total", "graphfleet_step_wait_cpu_seconds_total"):
-        # Every rank's read-back waits, merged like the graph families (0 on CPU: nothing waits).
+    for family in ("graphfleet_step_wait_seconds_total", "graphfleet_step_wait_cpu_seconds_total",
+                   "prefix_cache_queries_total", "prefix_cache_hits_total"):
+        # Every rank's read-back waits, merged like the graph families (0 on CPU: nothing waits);
+        # each group leader's prefix cache counters.
         assert {labels["group"] for labels, _ in after[family]} == set(GROUPS), family
+        assert all(GROUPS[labels["group"]] == labels["role"] and labels["rank"] == "0"
+                   for labels, _ in after[family]), family
+    # The prefill group admitted each request once and looked its prompt up; what it found is what the
+    # usage reported as cached. The decode group imports KV: it looks nothing up.
+    assert delta("prefix_cache_queries_total", group="met-p0") == sum(u.prompt_tokens for u in usages)
+    assert delta("prefix_cache_hits_total", group="met-p0") == sum(u.prompt_tokens_details.cached_tokens
+                                                                   for u in usages)
+    assert delta("prefix_cache_queries_total", group="met-d0") == 0
     # Each request alone: one prefill pass on the prefill group, then MAX_TOKENS - 1 decode steps
     # on the decode group; with no GPU every one of them runs eagerly.
     assert delta("cuda_graph_passes_total", phase="decode") >= n * (MAX_TOKENS - 1)

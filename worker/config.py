@@ -84,12 +84,18 @@ class CacheConfig(Section):
     num_pages: total pages including the reserved dummy page 0; None = sized automatically.
     gpu_memory_fraction: this worker's own share of its GPU (weights + cache + graphs), in (0, 1].
     cpu_num_pages: pages allocated on CPU when num_pages is None.
+    prefix_caching: automatic prefix caching (vLLM's and SGLang's): full pages stay cached after
+        their requests end, keyed by a hash chained over their tokens (worker/prefix_hash.py), and a
+        request whose prompt starts with cached pages shares them and prefills only the rest;
+        cached pages no request holds are evicted least recently used first, only when free pages
+        run out (worker/prefix_cache.py). Outputs are the same either way.
     """
 
     page_size: int = 16
     num_pages: int | None = None
     gpu_memory_fraction: float = 0.85
     cpu_num_pages: int = 2048
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         p = self.page_size

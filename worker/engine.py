@@ -30,6 +30,8 @@ from worker.kv_cache import PageAllocator
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestEvent, RequestOutput, StepStats
 from worker.page_table import PageTable
+from worker.prefix_cache import PrefixCachePool
+from worker.prefix_cache_metrics import PrefixCacheMetrics
 from worker.request import Request, RequestRejected, Status
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
@@ -58,9 +60,12 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, registry: CollectorRegistry | None = None,
-                 executor: Executor | None = None, tokenizer: Tokenizer | None = None) -> None:
+                 executor: Executor | None = None, tokenizer: Tokenizer | None = None,
+                 metric_labels: dict[str, str] | None = None) -> None:
         """``tokenizer``: the checkpoint's, when the caller has loaded it already (a fleet shares one
-        among its engines); None loads it from ``model.path`` (if it has a ``tokenizer.json``)."""
+        among its engines); None loads it from ``model.path`` (if it has a ``tokenizer.json``).
+        The engine's own metrics (``prefix_cache_*``) go to ``registry`` (else the local worker's)
+        with constant ``metric_labels``."""
         if not config.model.path:
             raise ValueError("model.path is not set: pass a checkpoint directory (--model DIR)")
         self.config = config
@@ -71,11 +76,15 @@ class Engine:
         num_pages = self.executor.num_pages
         self._max_model_len = self.executor.max_len
         sched = config.scheduler
-        self.allocator = PageAllocator(num_pages)
+        self.prefix_caching = config.cache.prefix_caching
+        self.allocator = PrefixCachePool(num_pages) if self.prefix_caching else PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
                             sched.chunked_prefill_size, page_size, sched.mixed_steps, sched.mixed_prefill_tokens),
-            self.allocator, self.max_model_len)
+            self.allocator, self.max_model_len, prefix_cache=self.allocator if self.prefix_caching else None)
+        registry = registry if registry is not None else getattr(self.executor, "registry", None)
+        if registry is not None:
+            PrefixCacheMetrics(self.scheduler.cache_stats, registry, metric_labels)
         self.async_scheduling = sched.async_scheduling
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.arch.eos_token_ids,
                                                 self.max_model_len)
@@ -85,8 +94,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
-        log.info("engine ready: %d KV pages of %d tokens, max_model_len %d", num_pages, page_size,
-                 self.max_model_len)
+        log.info("engine ready: %d KV pages of %d tokens, max_model_len %d, prefix caching %s", num_pages,
+                 page_size, self.max_model_len, "on" if self.prefix_caching else "off")
 
     @property
     def worker(self) -> Worker:
@@ -126,8 +135,13 @@ class Engine:
 
     @property
     def num_free_pages(self) -> int:
-        """KV pages free for new requests now."""
+        """KV pages free for new requests now (cached pages no request holds count: they are evictable)."""
         return self.allocator.num_free
+
+    @property
+    def prefix_cache_stats(self):
+        """Tokens looked up in the prefix cache and found there (:class:`worker.scheduler.PrefixCacheStats`)."""
+        return self.scheduler.cache_stats
 
     @property
     def prompt_limits(self) -> PromptLimits:
@@ -286,7 +300,7 @@ class Engine:
         return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids),
                              self.output_processor.text(request_id), req.finish_reason,
                              list(req.logprobs) if req.params.logprobs else None, req.num_preemptions,
-                             stop_reason=req.stop_reason,
+                             stop_reason=req.stop_reason, cached_tokens=req.cached_tokens or 0,
                              prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None
                              else None)
 

@@ -70,7 +70,9 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """A free list over pages ``1 .. num_pages-1`` (page 0 is the dummy page).
+    """A free list over pages ``1 .. num_pages-1`` (page 0 is the dummy page): the engine's pages
+    with ``cache.prefix_caching`` off (on: :class:`worker.prefix_cache.PrefixCachePool`, the same
+    interface plus refcounts and content keys).
 
     Invariants: a page is either free or owned by exactly one holder; freeing a page that is
     not allocated raises instead of corrupting the free list.

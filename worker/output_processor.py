@@ -105,20 +105,22 @@ class OutputProcessor:
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         # the first output token's event carries the prompt's log-probabilities, when asked for
-        prompt = list(req.prompt_logprobs) if p.prompt_logprobs is not None and len(req.output_ids) == 1 else None
+        first = len(req.output_ids) == 1
+        prompt = list(req.prompt_logprobs) if p.prompt_logprobs is not None and first else None
+        cached = (req.cached_tokens or 0) if first else None
         handoff = self._handoffs.pop(req.request_id, None) if self._handoffs else None
         if reason is None and handoff is not None:
             handoff(req)  # the pages still hold the KV: the callback must take it before they are freed
             self.scheduler.finish(req, "handoff")
             return RequestEvent(req.request_id, [token], delta, True, "handoff", [logprob] if p.logprobs else None,
-                                phases=phases, prompt_logprobs=prompt)
+                                phases=phases, prompt_logprobs=prompt, cached_tokens=cached)
         if reason is not None:
             self.scheduler.finish(req, reason)
             req.stop_reason = stop_reason
             delta += text.flush()
         return RequestEvent(req.request_id, [token], delta, reason is not None, reason,
                             [logprob] if p.logprobs else None, phases=phases, stop_reason=stop_reason,
-                            prompt_logprobs=prompt)
+                            prompt_logprobs=prompt, cached_tokens=cached)
 
     def fail_all(self, reason: str) -> list[RequestEvent]:
         """End every running and waiting request with an error (``reason`` kept in :attr:`errors`)."""

@@ -67,6 +67,9 @@ class RequestEvent:
     #: on the event of a request's first output token, when its params ask for prompt_logprobs: an
     #: entry ``(logprob, ids, logprobs)`` per prompt token after the first
     prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    #: on the event of a request's first output token: its prompt tokens found in the prefix cache
+    #: (what the API reports as ``usage.prompt_tokens_details.cached_tokens``)
+    cached_tokens: int | None = None
 
 
 def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
@@ -76,15 +79,16 @@ def events_to_wire(events: Sequence[RequestEvent]) -> tuple:
             tuple(e.finished for e in events), tuple(e.finish_reason for e in events),
             tuple(e.logprobs for e in events), tuple(e.error for e in events),
             tuple(None if e.failure is None else e.failure.value for e in events), tuple(e.phases for e in events),
-            tuple(e.stop_reason for e in events), tuple(e.prompt_logprobs for e in events))
+            tuple(e.stop_reason for e in events), tuple(e.prompt_logprobs for e in events),
+            tuple(e.cached_tokens for e in events))
 
 
 def events_from_wire(columns: tuple) -> list[RequestEvent]:
     """The events :func:`events_to_wire` packed."""
-    ids, tokens, texts, finished, reasons, logprobs, errors, failures, phases, stops, prompts = columns
-    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k), ph, sr, pl)
-            for i, t, x, f, r, lp, e, k, ph, sr, pl in zip(ids, tokens, texts, finished, reasons, logprobs, errors,
-                                                           failures, phases, stops, prompts)]
+    ids, tokens, texts, finished, reasons, logprobs, errors, failures, phases, stops, prompts, cached = columns
+    return [RequestEvent(i, t, x, f, r, lp, e, None if k is None else FailureKind(k), ph, sr, pl, c)
+            for i, t, x, f, r, lp, e, k, ph, sr, pl, c in zip(ids, tokens, texts, finished, reasons, logprobs,
+                                                              errors, failures, phases, stops, prompts, cached)]
 
 
 def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
@@ -97,7 +101,7 @@ def merge_events(events: Sequence[RequestEvent]) -> RequestEvent:
     f = events[0]
     merged = RequestEvent(f.request_id, list(f.token_ids), f.text, f.finished, f.finish_reason,
                           None if f.logprobs is None else list(f.logprobs), f.error, f.failure, f.phases,
-                          f.stop_reason, f.prompt_logprobs)
+                          f.stop_reason, f.prompt_logprobs, f.cached_tokens)
     for e in events[1:]:
         extend_event(merged, e)
     return merged
@@ -120,6 +124,8 @@ def extend_event(into: RequestEvent, later: RequestEvent) -> None:
         into.phases = later.phases
     if into.prompt_logprobs is None:
         into.prompt_logprobs = later.prompt_logprobs
+    if into.cached_tokens is None:
+        into.cached_tokens = later.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -137,3 +143,4 @@ class RequestOutput:
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (RequestEvent's)
     prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None  # RequestEvent's, when asked for
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (RequestEvent's)

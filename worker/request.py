@@ -27,7 +27,8 @@ class Request:
     """One sequence. ``token_ids`` is prompt + output; ``num_computed`` tokens have KV in ``pages``.
 
     A request is *prefilling* until ``num_computed == len(token_ids)`` has been reached once and a
-    token sampled; preemption frees its pages and sends it back to prefill over all its tokens.
+    token sampled; preemption drops its pages (its refs, with prefix caching) and sends it back to
+    prefill over all its tokens but those it then finds cached.
     """
 
     request_id: str
@@ -45,6 +46,13 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
     num_preemptions: int = 0
+    #: prompt tokens found in the prefix cache when it was first scheduled (vLLM's num_cached_tokens);
+    #: None until then
+    cached_tokens: int | None = None
+    #: content keys of its first full pages, hashed once each (its tokens never change)
+    page_keys: list[bytes] = field(default_factory=list, repr=False)
+    #: leading pages of ``pages`` that are in the prefix cache or were offered to it (reset by preemption)
+    num_cached_pages: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # when a step first took it from the waiting queue
     first_token_time: float | None = None

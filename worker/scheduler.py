@@ -20,9 +20,18 @@ How a step is composed (``SchedulerLimits.mixed_steps``):
 Either way a step with nothing to prefill is a decode batch (the decode runner's batch-size
 buckets, the full decode graph), and one with nothing to decode is a prefill batch.
 
-Page accounting invariants: a page belongs to at most one request; pages are returned on
-finish, abort and preemption; a waiting request is admitted only when its chunk's pages are
-free; a running request that cannot grow preempts the youngest running request.
+Page accounting invariants: a page is written by at most one request (with prefix caching, full
+cached pages are shared read-only, one ref per request: :mod:`worker.prefix_cache`); pages (refs)
+are returned on finish, abort, hand-off and preemption; a waiting request is admitted only when
+its chunk's pages are free; a running request that cannot grow preempts the youngest running
+request.
+
+Prefix caching (``prefix_cache`` given): when a waiting request is admitted (first, or again after a
+preemption) it takes the longest run of cached full pages its sequence starts with, at most
+``num_tokens - 1`` tokens (the last token is computed to sample), and prefills only the rest, from a
+fresh page on. :meth:`Scheduler.cache_full_pages` registers each page once it is full of tokens
+whose KV a sent step writes (prompt pages and decoded ones alike). A request asking for
+``prompt_logprobs`` computes its whole prompt (cached positions have no logits).
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from operator import attrgetter
 
 from worker.kv_cache import PageAllocator
 from worker.page_table import PageTable
+from worker.prefix_cache import PrefixCachePool
+from worker.prefix_hash import page_keys
 from worker.request import Request, Status
 
 
@@ -87,15 +98,32 @@ class ScheduledBatch:
         return "mixed" if self.is_mixed else "prefill" if self.is_prefill else "decode"
 
 
+@dataclass
+class PrefixCacheStats:
+    """Tokens looked up in the prefix cache at admissions (``queries``) and found there (``hits``)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 _by_arrival = attrgetter("arrival")
 
 
 class Scheduler:
     """Owns the waiting and running queues and the page allocator's bookings."""
 
-    def __init__(self, limits: SchedulerLimits, allocator: PageAllocator, max_model_len: int = 1 << 62) -> None:
+    def __init__(self, limits: SchedulerLimits, allocator: PageAllocator | PrefixCachePool,
+                 max_model_len: int = 1 << 62, prefix_cache: PrefixCachePool | None = None,
+                 cache_salt: bytes = b"") -> None:
+        """``prefix_cache``: the allocator itself when prefix caching is on (None: off);
+        ``cache_salt``: what else keys a page's KV besides its tokens (the engine's model)."""
+        if prefix_cache is not None and prefix_cache is not allocator:
+            raise ValueError("prefix_cache must be the scheduler's allocator (one pool owns every page)")
         self.limits = limits
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.cache_salt = cache_salt
+        self.cache_stats = PrefixCacheStats()
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -165,13 +193,16 @@ class Scheduler:
                 take(req)
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running_requests:
             req = self.waiting[0]
+            reused = self._reuse_cached_prefix(req)
             # Headroom: leave one free page per running request so admission does not
             # immediately force the next decode step to preempt.
             headroom = len(self.running)
             need = req.pages_needed(req.num_computed + min(budget, req.num_tokens - req.num_computed),
                                     self.limits.page_size)
             if self.allocator.num_free - need < headroom or not take(req):
+                self._put_back_cached_prefix(req, reused)
                 break
+            self._count_admission(req, reused)
             self.waiting.popleft()
             req.status = Status.RUNNING
             if req.scheduled_time is None:
@@ -208,10 +239,73 @@ class Scheduler:
         starts = [seq_len - 1 for r, seq_len in scheduled if r.status is Status.RUNNING]
         return ScheduledBatch(False, kept, starts, [1] * n, [True] * n)
 
+    # ----- prefix caching (allocation and admission) -----
+
+    def _keys(self, req: Request, num_pages: int) -> list[bytes]:
+        """The keys of ``req``'s first ``num_pages`` full pages (``req.page_keys`` grown as needed)."""
+        keys, size = req.page_keys, self.limits.page_size
+        if len(keys) < num_pages:
+            keys.extend(page_keys(req.tokens(len(keys) * size, num_pages * size), size, salt=self.cache_salt,
+                                  parent=keys[-1] if keys else None))
+        return keys[:num_pages]
+
+    def _reuse_cached_prefix(self, req: Request) -> int:
+        """Give a waiting ``req`` without KV the cached pages its sequence starts with (one ref each) and
+        skip their tokens; returns how many pages."""
+        if self.prefix_cache is None or req.num_computed or req.pages or req.params.prompt_logprobs is not None:
+            return 0
+        pages = self.prefix_cache.acquire(self._keys(req, (req.num_tokens - 1) // self.limits.page_size))
+        if pages:
+            req.pages = PageTable(pages)
+            req.num_cached_pages = len(pages)
+            req.num_computed = len(pages) * self.limits.page_size
+        return len(pages)
+
+    def _put_back_cached_prefix(self, req: Request, reused: int) -> None:
+        """Undo :meth:`_reuse_cached_prefix` for a request that stays waiting."""
+        if reused:
+            self.prefix_cache.put_back(req.pages)
+            req.pages = PageTable()
+            req.num_computed = req.num_cached_pages = 0
+
+    def _count_admission(self, req: Request, reused: int) -> None:
+        hits = reused * self.limits.page_size
+        if self.prefix_cache is not None and req.params.prompt_logprobs is None:
+            self.cache_stats.queries += req.num_tokens
+            self.cache_stats.hits += hits
+        if req.cached_tokens is None:
+            req.cached_tokens = hits
+
+    def cache_full_pages(self, requests: list[Request]) -> None:
+        """Register the pages of ``requests`` (just sent in a step) that are now full of tokens whose KV
+        is written: up to ``num_computed`` tokens, and only tokens already known (a decode input still
+        in flight is registered by the request's next step)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        size = self.limits.page_size
+        for req in requests:  # runs every step: the common case (no page filled) costs one compare
+            full = req.num_computed // size
+            if full <= req.num_cached_pages:
+                continue
+            full = min(full, req.num_tokens // size)
+            if full <= req.num_cached_pages or req.status is not Status.RUNNING:
+                continue
+            keys, pages = self._keys(req, full), req.pages
+            for i in range(req.num_cached_pages, full):
+                cache.register(pages[i], keys[i])
+            req.num_cached_pages = full
+
+    def forget_cached(self) -> None:
+        """Drop every cached prefix (the KV of steps that were lost may be missing from its pages)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_cached()
+
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s pages and send it back to the front of the waiting queue."""
         self.allocator.free(req.pages)
         req.pages = PageTable()
+        req.num_cached_pages = 0
         req.num_computed = 0
         req.num_pending = 0  # what steps in flight sample for it is dropped (its preemption count moved on)
         req.prefilling = True
@@ -222,10 +316,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def preempt_all(self) -> int:
-        """Send every running request back to waiting (their KV is lost); returns how many."""
+        """Send every running request back to waiting (their KV is lost, and so is every cached
+        prefix: a lost step may have registered pages it never wrote); returns how many."""
         victims = sorted(self.running, key=lambda r: r.arrival, reverse=True)
         for req in victims:  # youngest first, so the oldest ends at the front of the queue
             self._preempt(req)
+        self.forget_cached()
         return len(victims)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -238,5 +334,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.allocator.free(req.pages)
         req.pages = PageTable()
+        req.num_cached_pages = 0
         req.status = Status.FINISHED
         req.finish_reason = reason

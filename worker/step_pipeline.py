@@ -27,7 +27,10 @@ tokens it sampled itself (all ranks sample the same). Invariants:
   back (``PageAllocator.hold``) until every step sent before the free has been read back.
   Otherwise a KV import into a reused page could race the step's late write.
 - A failed step loses both steps in flight: every running request is preempted (recomputed)
-  and held pages are released (the failed ranks write nothing more).
+  and held pages are released (the failed ranks write nothing more); the prefix cache is
+  emptied, since pages registered when the lost steps were sent may never have been written.
+- With prefix caching a page is registered when the step that fills it is sent
+  (``Scheduler.cache_full_pages``): a later step that reads it runs after that one.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class StepPipeline:
                 sampled.append((req, req.num_preemptions))
                 req.num_pending += 1
                 req.prefilling = False  # its next step decodes the token in flight
+        self.scheduler.cache_full_pages(batch.requests)
         return InFlightStep(batch, sent, sampled, rows, sent_at, scored=msg.scored_prompts)
 
     def _read_back(self, step: InFlightStep, start: float, waited_from: float | None = None) -> list[RequestEvent]:

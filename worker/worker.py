@@ -59,6 +59,7 @@ class Worker:
         self.graph_budget = config.graphs.resolved_memory_budget(self.free_after_weights) \
             if self.device.type == "cuda" or not isinstance(config.graphs.memory_budget, float) else None
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.metric_labels = dict(metric_labels or {})  # the constant labels of this rank's metrics
         self.graph_metrics = GraphMetrics(self.registry, metric_labels)
         self.wait_metrics = StepWaitMetrics(self.registry, metric_labels)
         sched = config.scheduler
