@@ -22,8 +22,8 @@ def num_held(alloc: PageAllocator) -> int:
     return len(alloc._held or ())
 
 
-def _config(path, async_scheduling: bool, pages: int = 12):
-    return load_config(None, [f"model.path={path}", "model.device=cpu", f"cache.num_pages={pages}",
+def _config(path, async_scheduling: bool, pages: int = 12, *extra: str):
+    return load_config(None, [*extra, f"model.path={path}", "model.device=cpu", f"cache.num_pages={pages}",
                               "scheduler.chunked_prefill_size=64", "scheduler.max_num_batched_tokens=64",
                               "graphs.debug=true", "graphs.prefill.max_tokens=64", "graphs.decode.max_batch_size=16",
                               f"scheduler.async_scheduling={str(async_scheduling).lower()}"])
@@ -41,8 +41,8 @@ def test_async_outputs_equal_sync_under_preemption_and_stops(checkpoint_dir):
     path = checkpoint_dir("tiny-llama")
     prompts, params = _workload()
     results = {}
-    for mode in (False, True):
-        engine = Engine(_config(path, mode))
+    for mode in (False, True):  # the prompts share prefixes: cached pages would spare the preemptions
+        engine = Engine(_config(path, mode, 12, "cache.prefix_caching=false"))
         free = engine.num_free_pages
         outs = engine.generate(prompts, params)
         results[mode] = outs

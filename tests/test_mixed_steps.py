@@ -75,10 +75,13 @@ def test_200_random_greedy_requests_equal_with_mixed_steps_on_and_off(checkpoint
     tight = ["cache.num_pages=48", "scheduler.max_running_requests=24", "scheduler.chunked_prefill_size=128",
              "scheduler.max_num_batched_tokens=128", "graphs.prefill.max_tokens=128"]
     results, engines = {}, {}
-    for mixed in (True, False):
-        engines[mixed] = engine = make_engine(path, mixed, *tight)
+    for mixed in (True, False):  # prefix caching off: its shared pages would spare the preemptions
+        engines[mixed] = engine = make_engine(path, mixed, *tight, "cache.prefix_caching=false")
         results[mixed] = _run_staggered(engine, requests, seed=3)
         assert engine.scheduler.num_preemptions >= 1
+    cached = make_engine(path, True, *tight)  # both on (the defaults): the same tokens
+    assert _run_staggered(cached, requests, seed=3) == results[True]
+    assert cached.scheduler.cache_stats.hits > 0
     phases = {s.phase for s in engines[True].step_stats}
     assert phases == {"prefill", "decode", "mixed"} and "mixed" not in {s.phase for s in engines[False].step_stats}
     assert max(s.num_tokens for s in engines[True].step_stats if s.phase != "decode") <= 128
