@@ -6,19 +6,34 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from graphs.decode import LiveDecodeBatch
 from graphs.prefill import LivePrefillBatch
 from tests.reference import OwnModel
 from worker.attention.base import AttentionBatch
+from worker.attention.factory import flashinfer_importable
 from worker.kv_cache import PagedKVCache
+from worker.model.kernels import select_kernels
 
 
 @dataclass
 class RandomDecodeBatch:
     live: LiveDecodeBatch
     seq_lens: list[int]
+
+
+def gpu_own_model(checkpoint_dir, attention: str) -> OwnModel:
+    """tiny-llama in bf16 on the GPU with ``attention`` ("torch" or "flashinfer": skipped when it is
+    not installed) and a randomly filled 4,096-page cache, as the GPU graph tests use it."""
+    if attention == "flashinfer" and not flashinfer_importable():
+        pytest.skip("flashinfer not installed")
+    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend=attention,
+                   num_pages=4096, kernels=select_kernels(torch.device("cuda"), prefer_fused=attention == "flashinfer"),
+                   max_rows=64, max_pages_per_row=256)
+    fill_cache_randomly(own)
+    return own
 
 
 def fill_cache_randomly(own: OwnModel, seed: int = 0) -> None:

@@ -13,11 +13,10 @@ from deploy.config import load_config
 from graphs.backends import create_backend
 from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from tests.graph_harness import eager_hidden, fill_cache_randomly, random_mixed_batch
-from tests.reference import OwnModel, rel_l2
+from tests.graph_harness import eager_hidden, gpu_own_model, random_mixed_batch
+from tests.reference import rel_l2
 from worker.attention.factory import flashinfer_importable
 from worker.engine import Engine
-from worker.model.kernels import select_kernels
 from worker.model_steps import ModelPrefillStep
 from worker.sampling.params import SamplingParams
 
@@ -28,20 +27,10 @@ MODES = {"full": "mixed_cuda_graph", "breakable": "mixed_breakable"}
 REL_L2 = 2e-2  # hidden states against bf16 eager, as tests/test_prefill_graphs_gpu.py
 
 
-def _own(checkpoint_dir, attention: str) -> OwnModel:
-    if attention == "flashinfer" and not flashinfer_importable():
-        pytest.skip("flashinfer not installed")
-    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend=attention,
-                   num_pages=4096, kernels=select_kernels(CUDA, prefer_fused=attention == "flashinfer"),
-                   max_rows=64, max_pages_per_row=256)
-    fill_cache_randomly(own)
-    return own
-
-
 @pytest.mark.parametrize("backend,attention", [("breakable", "torch"), ("breakable", "flashinfer"),
                                                ("full", "flashinfer")])
 def test_random_mixed_batches_match_eager(backend, attention, checkpoint_dir):
-    own = _own(checkpoint_dir, attention)
+    own = gpu_own_model(checkpoint_dir, attention)
     registry = CollectorRegistry()
     step = ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable")
     runner = PrefillGraphRunner(step, create_backend(backend, CUDA), default_prefill_ladder(CEILING), SLOTS,

@@ -12,10 +12,8 @@ from graphs.backends import create_backend
 from graphs.metrics import GraphMetrics
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
 from graphs.process import capture_stream, pool_bytes
-from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
+from tests.graph_harness import eager_hidden, gpu_own_model, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
-from worker.attention.factory import flashinfer_importable
-from worker.model.kernels import select_kernels
 from worker.model_steps import CompiledPrefillStep, ModelPrefillStep
 
 pytestmark = pytest.mark.gpu
@@ -37,16 +35,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _own(checkpoint_dir, attention: str) -> OwnModel:
-    if attention == "flashinfer" and not flashinfer_importable():
-        pytest.skip("flashinfer not installed")
-    own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend=attention,
-                   num_pages=4096, kernels=select_kernels(CUDA, prefer_fused=attention == "flashinfer"),
-                   max_rows=64, max_pages_per_row=256)
-    fill_cache_randomly(own)
-    return own
-
-
 def _step(own: OwnModel, backend: str) -> ModelPrefillStep:
     if backend == "tc_piecewise":
         return CompiledPrefillStep(own.model, own.attention)
@@ -57,7 +45,7 @@ def _step(own: OwnModel, backend: str) -> ModelPrefillStep:
                                                ("full", "flashinfer"), ("tc_piecewise", "torch"),
                                                ("tc_piecewise", "flashinfer")])
 def test_200_random_prefill_batches_match_eager(backend, attention, checkpoint_dir):
-    own = _own(checkpoint_dir, attention)
+    own = gpu_own_model(checkpoint_dir, attention)
     registry = CollectorRegistry()
     step = _step(own, backend)
     runner = PrefillGraphRunner(step, create_backend(backend, CUDA), default_prefill_ladder(CEILING), SLOTS,
@@ -106,7 +94,7 @@ def test_200_random_prefill_batches_match_eager(backend, attention, checkpoint_d
 @pytest.mark.parametrize("backend,attention", [("breakable", "torch"), ("full", "flashinfer"),
                                                ("tc_piecewise", "torch"), ("tc_piecewise", "flashinfer")])
 def test_sentinels_write_no_kv_outside_live_pages(backend, attention, checkpoint_dir):
-    own = _own(checkpoint_dir, attention)
+    own = gpu_own_model(checkpoint_dir, attention)
     step = _step(own, backend)
     runner = PrefillGraphRunner(step, create_backend(backend, CUDA), [256, 512], SLOTS, 100.0)
     runner.capture_all(progress=False)
@@ -124,7 +112,7 @@ def test_sentinels_write_no_kv_outside_live_pages(backend, attention, checkpoint
 def test_capture_gives_back_the_warm_up_memory(checkpoint_dir):
     """A warm-up caches its activations on the capture stream outside the graph pool; after
     capture_all, what stays reserved beyond the start is the pool's growth, not that cache."""
-    own = _own(checkpoint_dir, "flashinfer")
+    own = gpu_own_model(checkpoint_dir, "flashinfer")
     runner = PrefillGraphRunner(_step(own, "breakable"), create_backend("breakable", CUDA),
                                 default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
     stream = capture_stream(CUDA)
@@ -151,7 +139,7 @@ def test_capture_gives_back_the_warm_up_memory(checkpoint_dir):
 
 
 def test_full_prefill_refuses_a_non_graph_safe_attention_backend(checkpoint_dir):
-    own = _own(checkpoint_dir, "torch")
+    own = gpu_own_model(checkpoint_dir, "torch")
     with pytest.raises(ValueError, match="graph-safe prefill attention backend.*breakable"):
         ModelPrefillStep(own.model, own.attention, breakable=False)
 

@@ -69,7 +69,28 @@ class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 
 
-class PageAllocator:
+class HeldPages:
+    """Async scheduling: a page freed while a step is in flight may still be written by that step
+    (its request finished, was aborted or preempted after the step was sent), and a KV import into
+    it would race that write. Such pages are held back until the step is read back; the allocator
+    keeps them in ``_held`` (None: not holding) and says in ``release`` what becomes of them."""
+
+    _held: list[int] | None
+
+    def hold(self) -> None:
+        """From now on, freed pages are held back (owned by nobody, not allocatable) until released."""
+        if self._held is None:
+            self._held = []
+
+    def take_held(self) -> list[int]:
+        """The pages held back since the last call; they stay unallocatable (release them)."""
+        held = self._held or []
+        if self._held is not None:
+            self._held = []
+        return held
+
+
+class PageAllocator(HeldPages):
     """A free list over pages ``1 .. num_pages-1`` (page 0 is the dummy page): the engine's pages
     with ``cache.prefix_caching`` off (on: :class:`worker.prefix_cache.PrefixCachePool`, the same
     interface plus refcounts and content keys).
@@ -108,22 +129,6 @@ class PageAllocator:
                 raise ValueError(f"page {p} freed but not allocated (double free or foreign page)")
             self._allocated.remove(p)
             (self._free if self._held is None else self._held).append(p)
-
-    # Async scheduling: a page freed while a step is in flight may still be written by that step
-    # (its request finished, was aborted or preempted after the step was sent), and a KV import
-    # into it would race that write. Such pages are held back until the step is read back.
-
-    def hold(self) -> None:
-        """From now on, freed pages are held back (owned by nobody, not allocatable) until released."""
-        if self._held is None:
-            self._held = []
-
-    def take_held(self) -> list[int]:
-        """The pages held back since the last call; they stay out of the free list (release them)."""
-        held = self._held or []
-        if self._held is not None:
-            self._held = []
-        return held
 
     def release(self, pages: list[int]) -> None:
         """Make pages from :meth:`take_held` allocatable again."""

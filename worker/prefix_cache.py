@@ -39,11 +39,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from worker.kv_cache import OutOfPages
+from worker.kv_cache import HeldPages, OutOfPages
 from worker.prefix_hash import PageKey
 
 
-class PrefixCachePool:
+class PrefixCachePool(HeldPages):
     """Pages ``1 .. num_pages-1`` with refcounts, content keys and LRU eviction.
 
     The interface of :class:`worker.kv_cache.PageAllocator` (``allocate``, ``free``, the hold
@@ -168,18 +168,6 @@ class PrefixCachePool:
         return keyed
 
     # ----- async scheduling: pages freed while a step is in flight -----
-
-    def hold(self) -> None:
-        """From now on, pages whose last ref drops are held back (not allocatable) until released."""
-        if self._held is None:
-            self._held = []
-
-    def take_held(self) -> list[int]:
-        """The pages held back since the last call; they stay unallocatable (release them)."""
-        held = self._held or []
-        if self._held is not None:
-            self._held = []
-        return held
 
     def release(self, pages: Sequence[int]) -> None:
         """End the hold of pages from :meth:`take_held`: each one no longer held and without refs
