@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from worker.sampling import SamplingParams
-from worker.sampling.sampler import SampleOutput, SamplingBatch, _log_exponential, _row_keys, sample, top_k_rows
+from worker.sampling.logprobs import top_k_rows
+from worker.sampling.sampler import SampleOutput, SamplingBatch, _log_exponential, _row_keys, sample
 
 CPU = torch.device("cpu")
 

@@ -81,7 +81,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
                             sched.chunked_prefill_size, page_size, sched.mixed_steps, sched.mixed_prefill_tokens),
-            self.allocator, self.max_model_len, prefix_cache=self.allocator if self.prefix_caching else None)
+            self.allocator, self.max_model_len)
         registry = registry if registry is not None else getattr(self.executor, "registry", None)
         if registry is not None:
             PrefixCacheMetrics(self.scheduler.cache_stats, registry, metric_labels)

@@ -10,6 +10,7 @@ request ever owns it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 
 
-class HeldPages:
+class HeldPages(ABC):
     """Async scheduling: a page freed while a step is in flight may still be written by that step
     (its request finished, was aborted or preempted after the step was sent), and a KV import into
     it would race that write. Such pages are held back until the step is read back; the allocator
@@ -88,6 +89,15 @@ class HeldPages:
         if self._held is not None:
             self._held = []
         return held
+
+    @abstractmethod
+    def release(self, pages: list[int]) -> None:
+        """End the hold of pages from :meth:`take_held` (the allocator says what becomes of them)."""
+
+    def stop_holding(self) -> None:
+        """Release every held page; freed pages are reusable at once again."""
+        self.release(self.take_held())
+        self._held = None
 
 
 class PageAllocator(HeldPages):
@@ -133,8 +143,3 @@ class PageAllocator(HeldPages):
     def release(self, pages: list[int]) -> None:
         """Make pages from :meth:`take_held` allocatable again."""
         self._free.extend(pages)
-
-    def stop_holding(self) -> None:
-        """Release every held page and free pages at once again."""
-        self.release(self.take_held())
-        self._held = None

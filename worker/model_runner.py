@@ -13,8 +13,9 @@ from graphs.runner import PhaseRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
+from worker.sampling.logprobs import logprobs_of
 from worker.sampling.penalties import PenaltyHistory
-from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, logprobs_of, sample
+from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
 from worker.step_message import StepMessage
 
 

@@ -177,11 +177,6 @@ class PrefixCachePool(HeldPages):
             if self._holds[p] == 0 and self._refs[p] == 0:
                 self._park(p)
 
-    def stop_holding(self) -> None:
-        """Release every held page; pages are parked at once again."""
-        self.release(self.take_held())
-        self._held = None
-
     # ----- internals -----
 
     def _park(self, page: int) -> None:

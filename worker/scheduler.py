@@ -113,16 +113,11 @@ class Scheduler:
     """Owns the waiting and running queues and the page allocator's bookings."""
 
     def __init__(self, limits: SchedulerLimits, allocator: PageAllocator | PrefixCachePool,
-                 max_model_len: int = 1 << 62, prefix_cache: PrefixCachePool | None = None,
-                 cache_salt: bytes = b"") -> None:
-        """``prefix_cache``: the allocator itself when prefix caching is on (None: off);
-        ``cache_salt``: what else keys a page's KV besides its tokens (the engine's model)."""
-        if prefix_cache is not None and prefix_cache is not allocator:
-            raise ValueError("prefix_cache must be the scheduler's allocator (one pool owns every page)")
+                 max_model_len: int = 1 << 62) -> None:
+        """Prefix caching is on when ``allocator`` is a :class:`PrefixCachePool` (one pool owns every page)."""
         self.limits = limits
         self.allocator = allocator
-        self.prefix_cache = prefix_cache
-        self.cache_salt = cache_salt
+        self.prefix_cache = allocator if isinstance(allocator, PrefixCachePool) else None
         self.cache_stats = PrefixCacheStats()
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -245,7 +240,7 @@ class Scheduler:
         """The keys of ``req``'s first ``num_pages`` full pages (``req.page_keys`` grown as needed)."""
         keys, size = req.page_keys, self.limits.page_size
         if len(keys) < num_pages:
-            keys.extend(page_keys(req.tokens(len(keys) * size, num_pages * size), size, salt=self.cache_salt,
+            keys.extend(page_keys(req.tokens(len(keys) * size, num_pages * size), size,
                                   parent=keys[-1] if keys else None))
         return keys[:num_pages]
 
@@ -296,11 +291,6 @@ class Scheduler:
                 cache.register(pages[i], keys[i])
             req.num_cached_pages = full
 
-    def forget_cached(self) -> None:
-        """Drop every cached prefix (the KV of steps that were lost may be missing from its pages)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget_cached()
-
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s pages and send it back to the front of the waiting queue."""
         self.allocator.free(req.pages)
@@ -321,7 +311,8 @@ class Scheduler:
         victims = sorted(self.running, key=lambda r: r.arrival, reverse=True)
         for req in victims:  # youngest first, so the oldest ends at the front of the queue
             self._preempt(req)
-        self.forget_cached()
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_cached()
         return len(victims)
 
     def finish(self, req: Request, reason: str) -> None:

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from worker.host_staging import PinnedStaging
+from worker.sampling.logprobs import logprobs_of
 from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from worker.sampling.penalties import Penalties, PenaltyHistory, apply_penalties_
 
@@ -366,50 +367,3 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         return SampleOutput(tokens, None)
     width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
     return SampleOutput(tokens, *logprobs_of(logits.to(torch.float32) if processed else raw, tokens, width))
-
-
-def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(log-probabilities of ``tokens`` (B,) under float32 logits ``unbiased`` (B, V), and the
-    ``width`` most likely tokens' ids and log-probabilities, None when ``width`` is 0).
-
-    One fused ``log_softmax`` (a single kernel; ``logsumexp`` is a chain of seven over the whole
-    row), then a gather and :func:`top_k_rows` on its output: the top values are log-probabilities
-    already."""
-    logp = unbiased.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    if not width:
-        return chosen, None, None
-    values, ids = top_k_rows(logp, min(width, logp.shape[-1]))
-    return chosen, ids, values
-
-
-#: :func:`top_k_rows`' chunk width: a row is cut into chunks of this many entries.
-TOP_K_CHUNK = 128
-
-
-def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x.topk(k, dim=-1, sorted=True)`` of a (B, V) tensor, reading the full rows once.
-
-    Each row is cut into chunks of :data:`TOP_K_CHUNK` and the chunks with the k largest maxima
-    are searched: every entry of the row's top k lies in one of them (an entry ranked i has at most
-    i - 1 larger entries, so at most i chunks have a larger maximum than its chunk's, and ties are
-    made up by chunks whose maximum equals the k-th value). The values equal ``topk``'s; among
-    equal values the ids may be other equal-valued ids (``topk`` does not promise an order among
-    ties either). A full-width radix select over a 32k vocabulary was four passes of four kernels
-    each on the H200 (bench/results/step_profile-20261204T145916.json); this is one ``amax`` over
-    the rows and small top-ks of k chunks' entries.
-    """
-    b, v = x.shape
-    n = v // TOP_K_CHUNK
-    if n < 4 * k:  # a small vocabulary: the plain top-k is as cheap
-        return x.topk(k, dim=-1, sorted=True)
-    if n * TOP_K_CHUNK != v:  # the last, partial chunk is padded with -inf (a copy: odd vocabularies only)
-        n += 1
-        x = torch.nn.functional.pad(x, (0, n * TOP_K_CHUNK - v), value=-math.inf)
-    maxima = x.view(b, n, TOP_K_CHUNK).amax(dim=-1)
-    chunks = maxima.topk(k, dim=-1, sorted=False).indices
-    columns = (chunks[:, :, None] * TOP_K_CHUNK
-               + torch.arange(TOP_K_CHUNK, device=x.device)).view(b, k * TOP_K_CHUNK)
-    values, at = x.gather(1, columns).topk(k, dim=-1, sorted=True)
-    return values, columns.gather(1, at)
