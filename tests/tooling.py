@@ -6,6 +6,7 @@ naming the install step, only where that did not happen (a bare ``pytest`` on a 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,3 +48,22 @@ def helm_template(values: list[Path] = (), sets: list[str] = (), release: str = 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
+
+
+#: The chart's values.yaml, its values.schema.json, and the values files of each rendered case.
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+CASES = {"default": [], "multi-group": [MULTI_GROUP_VALUES]}
+
+
+def chart_values(case: str) -> dict:
+    """values.yaml with the case's file merged over it (maps merge, everything else replaces)."""
+    def merge(base, over):
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {k: merge(base[k], v) if k in base else v for k, v in {**base, **over}.items()}
+        return over
+
+    merged = VALUES
+    for path in CASES[case]:
+        merged = merge(merged, yaml.safe_load(path.read_text()))
+    return merged
