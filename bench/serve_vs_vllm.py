@@ -175,9 +175,12 @@ class GraphfleetApp:
         return time.monotonic() - self.t0
 
     def stop(self) -> None:
+        import ray
         from ray import serve
 
+        # Ray goes too: the next graphfleet peer starts its own (direct ingress's port is fixed at ray.init).
         serve.shutdown()
+        ray.shutdown()
 
 
 def peer_rows(server: VllmServer | GraphfleetApp, args: argparse.Namespace, vocab: int
