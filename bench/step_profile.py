@@ -35,8 +35,9 @@ from worker.sampling.params import SamplingParams  # noqa: E402
 
 #: Functions whose cumulative time per step (under cProfile) is printed for every variant.
 WATCHED = ("worker/step_pipeline.py:_send", "worker/step_pipeline.py:_read_back", "worker/model_runner.py:execute",
-           "worker/sampling/sampler.py:sample", "worker/sampling/sampler.py:logprobs_of",
-           "worker/readback.py:copy", "worker/readback.py:wait", "worker/output_processor.py:append_tokens",
+           "worker/sampling/sampler.py:sample", "worker/sampling/logprobs.py:logprobs_of",
+           "worker/sampling/logprob_graphs.py:__call__", "worker/readback.py:copy", "worker/readback.py:wait",
+           "worker/readback.py:sample_lists", "worker/output_processor.py:append_tokens",
            "worker/scheduler.py:schedule")
 
 

@@ -1,6 +1,7 @@
-"""Log-probabilities and penalties on the GPU: with decode graphs (async scheduling, the default)
-they equal the engine's with graphs off, in bf16, for greedy and seeded sampled rows that ask for
-the chosen token's log-probability, for the top 20, for penalties, or for nothing, in one batch."""
+"""Log-probabilities and penalties on the GPU: with decode graphs (async scheduling, the default;
+log-probabilities replayed from their own graphs) they equal the engine's with graphs off, in bf16,
+for greedy and seeded sampled rows that ask for the chosen token's log-probability, for the top 20,
+for penalties, or for nothing, in one batch."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_logprobs_with_decode_graphs_equal_graphs_off(checkpoint_dir):
     graphs = _engine(path, graphs=True)
     got = graphs.generate(prompts, params)
     assert any(s.phase == "decode" for s in graphs.step_stats)
+    assert graphs.worker.runner.logprob_graphs.replays > 0  # the log-probabilities replayed from graphs
     compared = 0
     for k, (g, e, p) in enumerate(zip(got, eager, params)):
         n = _agreeing_prefix(g.token_ids, e.token_ids)

@@ -13,6 +13,7 @@ from graphs.runner import PhaseRunner
 from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
+from worker.sampling.logprob_graphs import LogprobGraphs
 from worker.sampling.logprobs import logprobs_of
 from worker.sampling.penalties import PenaltyHistory
 from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
@@ -39,20 +40,35 @@ class ModelRunner:
     prefill runner, its decode rows one-token requests in its request slots, counted as ``mixed``;
     a decode-only step goes to the decode runner.
     ``execute`` returns device tensors; reading them (``.tolist()``) is the caller's host sync.
+
+    With ``logprob_graphs`` (and a decode graph runner on a CUDA device) the sampler's
+    log-probabilities replay from graphs over the decode runner's static logits
+    (:class:`worker.sampling.logprob_graphs.LogprobGraphs`); otherwise they run eagerly.
     """
 
     def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend,
                  decode_runner: PhaseRunner[LiveDecodeBatch, torch.Tensor],
-                 prefill_runner: PhaseRunner[LivePrefillBatch, torch.Tensor]) -> None:
+                 prefill_runner: PhaseRunner[LivePrefillBatch, torch.Tensor], logprob_graphs: bool = False) -> None:
         self.model = model
         self.attention = attention
         self.device = model.device
         self.decode_runner = decode_runner
         self.prefill_runner = prefill_runner
+        buffers = getattr(decode_runner, "buffers", None)  # a DecodeGraphRunner's static buffers
+        self.logprob_graphs = LogprobGraphs(buffers.logits) \
+            if logprob_graphs and buffers is not None and self.device.type == "cuda" else None
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
         self._staging = PinnedStaging(self.device)  # the step's ids, positions and rows, in one copy
         self._sampling_staging = PinnedStaging(self.device)
         self._sampling_rows = SamplingRows()
+
+    def release_graphs(self) -> None:
+        """Release every graph of this runner (the log-probability graphs first: they read the
+        decode runner's static logits)."""
+        if self.logprob_graphs is not None:
+            self.logprob_graphs.release()
+        self.decode_runner.release()
+        self.prefill_runner.release()
 
     def prepare(self, msg: StepMessage, previous: torch.Tensor | None = None) -> StepInputs:
         """The step's device inputs; ``msg.from_previous`` inputs are taken from ``previous`` (the
@@ -103,7 +119,11 @@ class ModelRunner:
     def execute(self, msg: StepMessage, previous: torch.Tensor | None = None,
                 ) -> tuple[SampleOutput | None, torch.Tensor | None]:
         """Run one step (``previous``: see :meth:`prepare`); returns the sampled tokens (None if no
-        row samples) and the logits used, on the device and possibly not yet computed."""
+        row samples) and the logits used, on the device and possibly not yet computed.
+
+        Replayed logits and log-probabilities are views of static buffers that the next step
+        overwrites: enqueue their copy on this stream before the next step (as
+        :meth:`worker.worker.Worker.launch` does) or clone them."""
         inputs = self.prepare(msg, previous)
         prompt = None
         if not msg.is_prefill:
@@ -128,7 +148,7 @@ class ModelRunner:
                                                                        msg.from_previous)
         sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging,
                                  rows=self._sampling_rows, history=history, input_ids=inputs.input_ids)
-        out = sample(logits, sb)
+        out = sample(logits, sb, logprob_graphs=self.logprob_graphs)
         return (out if prompt is None else out._replace(prompt=prompt)), logits
 
     def _score_prompt(self, hidden: torch.Tensor, width: int, at: list[int], targets: list[int],

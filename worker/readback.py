@@ -2,7 +2,8 @@
 
 :meth:`TokenReadback.copy` queues the copy of a step's tokens (log-probabilities and alternatives
 when asked for) into the next pinned slot and records the slot's two events behind it;
-:meth:`TokenReadback.wait` waits for them.
+:meth:`TokenReadback.wait` waits for them. A step whose log-probabilities were replayed from a
+graph has them packed with its tokens (``SampleOutput.packed``): one copy, not four.
 Slots are reused round-robin: a slot comes back after three copies, by which time its step has been
 read (at most two steps are launched and unread).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.sampling.packed_rows import PACKED_COLUMNS, unpack_lists
 from worker.sampling.params import MAX_TOP_LOGPROBS
 
 #: How much earlier than a step is expected to finish its read-back stops sleeping and starts spinning.
@@ -22,10 +24,11 @@ _SLEEP_MARGIN_S = 0.0002
 
 @dataclass
 class HostCopy:
-    """A queued copy: the pinned host views it fills, the events recorded behind it (one to spin on,
-    one to sleep on), the step's shape (its expected duration is kept per shape) and when its launch began."""
+    """A queued copy: the pinned host views it fills (``packed`` instead of the four before it when
+    the step packed its rows), the events recorded behind it (one to spin on, one to sleep on), the
+    step's shape (its expected duration is kept per shape) and when its launch began."""
 
-    tokens: torch.Tensor
+    token_ids: torch.Tensor | None
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
@@ -34,6 +37,7 @@ class HostCopy:
     sleeping: torch.cuda.Event
     key: tuple
     launched: float
+    packed: torch.Tensor | None = None
 
 
 class TokenReadback:
@@ -53,28 +57,42 @@ class TokenReadback:
                             torch.empty(cap, dtype=torch.float32, pin_memory=True),
                             torch.empty(cap, MAX_TOP_LOGPROBS, dtype=torch.int64, pin_memory=True),
                             torch.empty(cap, MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=True),
-                            torch.cuda.Event(), torch.cuda.Event(blocking=True)) for _ in range(3)]
-        tokens, logprobs, top_ids, top_logprobs, spinning, sleeping = self._slots[self._next]
+                            torch.cuda.Event(), torch.cuda.Event(blocking=True),
+                            torch.empty(cap * PACKED_COLUMNS, dtype=torch.int32, pin_memory=True)) for _ in range(3)]
+        tokens, logprobs, top_ids, top_logprobs, spinning, sleeping, packed = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
-        tokens[:n].copy_(out.token_ids, non_blocking=True)
-        if out.logprobs is not None:
-            logprobs[:n].copy_(out.logprobs, non_blocking=True)
-        tops = out.top_ids is not None
-        if tops:
-            width = out.top_ids.shape[1]
-            top_ids, top_logprobs = top_ids[:n, :width], top_logprobs[:n, :width]
-            top_ids.copy_(out.top_ids, non_blocking=True)
-            top_logprobs.copy_(out.top_logprobs, non_blocking=True)
-        prompt = None
-        if out.prompt is not None:  # rare (echo, evaluations): pinned buffers of its own each time
-            prompt = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out.prompt)
-            for host, dev in zip(prompt, out.prompt):
-                host.copy_(dev, non_blocking=True)
+        prompt = self._copy_prompt(out.prompt)
+        columns = 0 if out.packed is None else out.packed.shape[1]
+        if 0 < columns <= PACKED_COLUMNS:  # contiguous rows: one plain copy
+            host = HostCopy(None, None, None, None, prompt, spinning, sleeping, key, launched,
+                            packed[: n * columns].view(n, columns))
+            host.packed.copy_(out.packed, non_blocking=True)
+        else:
+            tokens[:n].copy_(out.token_ids, non_blocking=True)
+            if out.logprobs is not None:
+                logprobs[:n].copy_(out.logprobs, non_blocking=True)
+            tops = out.top_ids is not None
+            if tops:
+                width = out.top_ids.shape[1]
+                top_ids, top_logprobs = top_ids[:n, :width], top_logprobs[:n, :width]
+                top_ids.copy_(out.top_ids, non_blocking=True)
+                top_logprobs.copy_(out.top_logprobs, non_blocking=True)
+            host = HostCopy(tokens[:n], logprobs[:n] if out.logprobs is not None else None,
+                            top_ids if tops else None, top_logprobs if tops else None, prompt, spinning, sleeping,
+                            key, launched)
         spinning.record()
         sleeping.record()
-        return HostCopy(tokens[:n], logprobs[:n] if out.logprobs is not None else None,
-                        top_ids if tops else None, top_logprobs if tops else None, prompt, spinning, sleeping, key,
-                        launched)
+        return host
+
+    @staticmethod
+    def _copy_prompt(prompt: tuple | None) -> tuple | None:
+        """Pinned host copies of ``SampleOutput.prompt`` (rare: echo, evaluations), queued."""
+        if prompt is None:
+            return None
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in prompt)
+        for h, dev in zip(host, prompt):
+            h.copy_(dev, non_blocking=True)
+        return host
 
     def wait(self, copy: HostCopy, newest: bool) -> tuple[list[int], list[float] | None, tuple | None, tuple | None,
                                                           float, float]:
@@ -108,9 +126,27 @@ class TokenReadback:
         end, cpu_end = time.perf_counter(), time.thread_time()  # the wait's CPU, not the lists' below
         if newest:
             self._expected[copy.key] = next_expected(expected, end - copy.launched, overslept)
-        logprobs = copy.logprobs.tolist() if copy.logprobs is not None else None
-        tops = None if copy.top_ids is None else (copy.top_ids.tolist(), copy.top_logprobs.tolist())
-        return copy.tokens.tolist(), logprobs, tops, prompt_lists(copy.prompt), end - begin, cpu_end - cpu
+        tokens, logprobs, tops = sample_lists(copy)
+        return tokens, logprobs, tops, prompt_lists(copy.prompt), end - begin, cpu_end - cpu
+
+
+def sample_lists(out) -> tuple[list[int], list[float] | None, tuple[list[list[int]], list[list[float]]] | None]:
+    """(token ids, log-probabilities or None, ``(ids rows, log-probability rows)`` or None) of a
+    :class:`worker.sampling.sampler.SampleOutput` or :class:`HostCopy`: from its packed rows when it
+    has them, else from its tensors (host ones; a device tensor is read here, a host sync).
+
+    Through numpy's ``tolist``, which gives the same Python ints and floats as torch's. Building
+    those objects is most of the cost either way (64 x 20 ids and log-probabilities: ~35 us on the
+    development CPU, torch's and numpy's alike); packing saves device-to-host copies, not this."""
+    if out.packed is not None:
+        return unpack_lists(_numpy(out.packed))
+    logprobs = _numpy(out.logprobs).tolist() if out.logprobs is not None else None
+    tops = None if out.top_ids is None else (_numpy(out.top_ids).tolist(), _numpy(out.top_logprobs).tolist())
+    return _numpy(out.token_ids).tolist(), logprobs, tops
+
+
+def _numpy(t: torch.Tensor):
+    return t.numpy() if t.is_cpu else t.cpu().numpy()  # a device tensor: read (and waited for) here
 
 
 def prompt_lists(prompt: tuple | None) -> tuple[list[float], list[list[int]], list[list[float]]] | None:

@@ -34,7 +34,7 @@ from worker.model.loader import checkpoint_max_len, load_model, resolve_device, 
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
 from worker.model_steps import CompiledDecodeStep, CompiledPrefillStep, ModelDecodeStep, ModelPrefillStep
-from worker.readback import TokenReadback, prompt_lists
+from worker.readback import TokenReadback, prompt_lists, sample_lists
 from worker.step_message import StepMessage, StepResult
 from worker.step_wait_metrics import StepWaitMetrics
 
@@ -164,7 +164,7 @@ class Worker:
             for runner in graphs:
                 self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
                                                   runner.backend.resident_bytes)
-        self.runner = ModelRunner(self.model, self.attention, decode, prefill)
+        self.runner = ModelRunner(self.model, self.attention, decode, prefill, self._logprob_graphs())
         self._planned_at = BatchProfile()
 
     def replan(self, profile: BatchProfile | None = None) -> ReplanSummary:
@@ -198,12 +198,11 @@ class Worker:
                 runner.release()
             raise ValueError(f"re-plan refused: {room} bytes of budget left beside the current graphs cannot "
                              f"hold the new ladders ({'; '.join(report.notes) or 'nothing fits'}); nothing changed")
-        new = ModelRunner(self.model, self.attention, decode, prefill)
+        new = ModelRunner(self.model, self.attention, decode, prefill, self._logprob_graphs())
         new.profile = old.profile
         self.runner = new
         self._planned_at = new.profile.copy()
-        old.decode_runner.release()
-        old.prefill_runner.release()
+        old.release_graphs()
         self.graph_metrics.record_replan()
         for runner in graphs:
             self.graph_metrics.record_capture(runner.phase, len(runner.backend.shapes), 0.0,
@@ -260,6 +259,10 @@ class Worker:
             log.info("no CUDA device: graphs.%s.backend=%s runs its torch.compile pieces without "
                      "CUDA graphs on %s", phase, name, self.device)
         return name, ""
+
+    def _logprob_graphs(self) -> bool:
+        """Whether the sampler's log-probabilities replay from graphs (CUDA graphs on, not debug)."""
+        return self.config.graphs.enabled and not self.config.graphs.debug
 
     def _barrier(self):
         if self.tp.size == 1:
@@ -349,6 +352,7 @@ class Worker:
             return LaunchedStep(None, None, None, time.perf_counter() - start, self._launches)
         self._last_sampled = out.token_ids
         logits_copy = logits.to(torch.float32, copy=True) if msg.return_logits and logits is not None else None
+        # Queued now, on this stream: the next step's replays rewrite the static outputs in ``out``.
         host = self._readback.copy(out, (msg.is_prefill, len(msg.input_ids)), start) \
             if read_back and self.device.type == "cuda" else None
         return LaunchedStep(out, host, logits_copy, time.perf_counter() - start, self._launches)
@@ -361,9 +365,7 @@ class Worker:
         begin = time.perf_counter()
         if step.host is None:  # CPU: the step has run already
             out = step.out
-            tokens = out.token_ids.tolist()
-            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-            tops = None if out.top_ids is None else (out.top_ids.tolist(), out.top_logprobs.tolist())
+            tokens, logprobs, tops = sample_lists(out)
             prompt = prompt_lists(out.prompt)
             wait_s = wait_cpu_s = 0.0
         else:
@@ -387,6 +389,5 @@ class Worker:
     def shutdown(self) -> None:
         """Release graphs before the buffers and communicators they point at."""
         if self.runner is not None:
-            self.runner.decode_runner.release()
-            self.runner.prefill_runner.release()
+            self.runner.release_graphs()
         self.runner = None

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from worker.host_staging import PinnedStaging
+from worker.sampling.logprob_graphs import LogprobGraphs
 from worker.sampling.logprobs import logprobs_of
 from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from worker.sampling.penalties import Penalties, PenaltyHistory, apply_penalties_
@@ -67,13 +68,16 @@ class SampleOutput(NamedTuple):
     likely tokens, most likely first, None unless some row asked for alternatives. ``prompt``: a
     prefill step's prompt log-probabilities (:meth:`worker.model_runner.ModelRunner.execute`),
     (logprobs (N,), top ids (N, W), top logprobs (N, W)) with W 0 when no request asked for
-    alternatives; None when no request asked for them."""
+    alternatives; None when no request asked for them. ``packed``: when the log-probabilities
+    were replayed from a graph, the tokens, log-probabilities and alternatives again as int32
+    rows (:mod:`worker.sampling.packed_rows`), for a one-copy read-back; else None."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    packed: torch.Tensor | None = None
 
 
 def _row_values(p: SamplingParams, k_off: int) -> tuple:
@@ -324,11 +328,14 @@ def _filtered_sorted(s: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, t
     return vals, idx
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, *, logprob_graphs: LogprobGraphs | None = None,
+           ) -> SampleOutput:
     """Sample one token per row of ``logits`` (B, V), any float dtype (computed in float32).
 
     Enqueues device work only (no host sync). Row i's token depends only on ``logits[i]`` and
-    row i's parameters, seed and step. ``logits`` is not modified.
+    row i's parameters, seed and step. ``logits`` is not modified. With ``logprob_graphs`` the
+    log-probabilities come from its graphs where it has one for the batch (then they are views
+    of static outputs that its next call overwrites, and ``packed`` is set); without, eagerly.
     """
     if logits.dim() != 2 or logits.shape[0] != batch.size:
         raise ValueError(f"logits must be (B={batch.size}, V), got shape {tuple(logits.shape)}")
@@ -366,4 +373,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     if not batch.want_logprobs:
         return SampleOutput(tokens, None)
     width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
-    return SampleOutput(tokens, *logprobs_of(logits.to(torch.float32) if processed else raw, tokens, width))
+    unbiased = logits if processed else raw  # never the biased or penalized copy
+    if logprob_graphs is None:
+        return SampleOutput(tokens, *logprobs_of(unbiased.to(torch.float32), tokens, width))
+    chosen, ids, values, packed = logprob_graphs(unbiased, tokens, width)  # it upcasts as it copies
+    return SampleOutput(tokens, chosen, ids, values, packed=packed)
