@@ -41,7 +41,9 @@ class ClusterConfig(Section):
         routing_imbalance_tokens of the least-loaded group's outstanding tokens) or
         "least_loaded" (fewest outstanding tokens). See :mod:`fleet.router`.
     routing_imbalance_tokens: how many more outstanding tokens than the least-loaded group a
-        prefix-matched group may have and still be chosen (>= 0).
+        prefix-matched group may have and still be chosen (>= 0). Outstanding tokens are the ones a
+        group will compute: a request's prompt less the prefix the router expects that group to have
+        cached, plus its decode tokens on a colocated group.
     routing_prefix_pages: leading full prompt pages the router hashes and matches (>= 1).
     prefill_tp_size, decode_tp_size: each role's tp degree; None = tp_size (equal for hand-off).
     kv_transport: how KV moves from prefill to decode ranks: "object_store" (anywhere), "cuda_ipc"

@@ -216,7 +216,8 @@ class EngineHost:
         on_first_token = self._stage_for_hand_off if c.hand_off else None
         try:
             self.engine.admit(c.prompt_ids, c.params, seed=c.seed, request_id=c.engine_id, output_ids=c.output_ids,
-                              logprobs=c.logprobs, on_first_token=on_first_token)
+                              logprobs=c.logprobs, on_first_token=on_first_token,
+                              expected_cached_tokens=c.expected_cached_tokens)
         except RequestRejected as e:
             # The fleet checked the prompt against the same limits: only a broken invariant lands here.
             self._pending.events.append(RequestEvent(c.engine_id, [], "", True, "error", None,
@@ -363,7 +364,10 @@ class EngineHost:
                 made = len(r.output_ids)
                 tokens = len(r.prompt_ids) + made
                 if r.prefilling:
-                    prefill += tokens - r.num_computed
+                    if r.num_computed or not r.expected_cached_tokens:
+                        prefill += tokens - r.num_computed
+                    else:  # not admitted yet: what the router counted for it (Router.prefill_work)
+                        prefill += max(1, tokens - r.expected_cached_tokens)
                 if decoding:
                     left = min(r.params.max_tokens - made, max_len - tokens)
                     if left > 0:

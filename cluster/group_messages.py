@@ -19,7 +19,9 @@ from worker.sampling.params import SamplingParams
 @dataclass(frozen=True)
 class Admit:
     """Prefill ``prompt_ids + output_ids`` and sample output token ``len(output_ids)`` with ``seed``;
-    ``hand_off``: stage the KV after that token and end the request here with reason "handoff"."""
+    ``hand_off``: stage the KV after that token and end the request here with reason "handoff";
+    ``expected_cached_tokens``: the prefix the router expects this group to have cached (its load
+    counts the request's prefill as the rest while it waits: :meth:`fleet.router.Router.prefill_work`)."""
 
     engine_id: str
     prompt_ids: list[int]
@@ -28,6 +30,7 @@ class Admit:
     output_ids: list[int]
     logprobs: list[float]
     hand_off: bool
+    expected_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -339,9 +339,9 @@ class Fleet:
 
     def health(self) -> dict:
         """Fleet status (ready | starting | degraded | dead; draining, then stopped, once :meth:`drain` or
-        :meth:`shutdown` has begun) and per group: role, state (starting,
-        capturing, ready, degraded = restarting after a failure, dead = lost), pages, requests, the router's
-        ``prefix_keys`` and ``waiting`` (:meth:`cluster.rank.PlacementWait.health`) while its restart
+        :meth:`shutdown` has begun) and per group: role, state (starting, capturing, ready, degraded =
+        restarting after a failure, dead = lost), pages, requests, the router's ``outstanding_tokens``
+        and ``prefix_keys``, ``waiting`` (:meth:`cluster.rank.PlacementWait.health`) while its restart
         waits for resources; ``routing``: the policy and its placements that followed a prefix."""
         with self._loop.health_lock:
             snapshot = dict(self._loop.health)

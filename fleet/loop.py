@@ -267,9 +267,9 @@ class FleetLoop:
     def _prefill(self, member: FleetMember, load: GroupLoad, fr: FleetRequest) -> None:
         fr.attempts += 1
         engine_id = f"{fr.request_id}#{next(self._placements)}"
+        cached, tokens = self.router.prefill_work(load, fr)
         command = Admit(engine_id, list(fr.prompt_ids), fr.params, fr.seed, list(fr.output_ids), list(fr.logprobs),
-                        hand_off=member.role == "prefill")
-        tokens = fr.num_tokens + (fr.remaining_output(self.max_model_len) if member.role == "colocated" else 0)
+                        hand_off=member.role == "prefill", expected_cached_tokens=cached)
         if fr.holds_admission:
             fr.holds_admission = False
             self.router.gate.release()
@@ -354,11 +354,12 @@ class FleetLoop:
         groups = {}
         for s in self.members:
             g = s.group
-            free, usable, _, _ = s.client.load()
+            free, usable, _, outstanding = s.client.load()
             groups[s.group_id] = {
                 "role": s.role, "state": s.health_state(now, self.cluster.lost_after_s), "phase": g.state.value,
                 "tp_size": g.config.cluster.tp_size, "generation": g.generation, "restarts": g.restarts,
                 "last_error": g.last_error, "num_pages": usable, "free_pages": free, "requests": len(s.assigned),
+                "outstanding_tokens": outstanding,
                 "waiting": g.waiting.health(now) if g.waiting is not None else None,
                 "prefix_keys": self.router.affinity.size(s.group_id),
                 "start_seconds": dict(g.start_seconds),

@@ -8,12 +8,23 @@ enough free KV pages (keeping one page of headroom per running request, as the s
 the one with the fewest outstanding tokens. The decode group is chosen at hand-off time, not at
 admission, so it reflects the decode load when the KV is ready.
 
+Outstanding tokens count the work a group will do, not the tokens it holds: a request placed on a
+prefill-capable group adds the prompt tokens that group will compute (:meth:`Router.prefill_work`:
+its prompt less the prefix tokens the group's affinity table matches, at least 1) plus, on a
+colocated group, its decode tokens. The fleet counts that against the group until the group's engine
+reports having applied the placement; the engine then counts the request the same while it waits
+(the placement carries the expected prefix, ``Admit.expected_cached_tokens``) and by what it really
+computes once admitted, so the load does not jump when the report replaces the fleet's count, and it
+is zero once the group's requests are done.
+
 Prefix-aware routing (``cluster.routing: prefix_aware``, the default; it matters with more than one
 prefill-capable group): among the groups that can take the request now, the one whose
 :class:`fleet.prefix_affinity.PrefixAffinity` table matches most of the request's leading page keys
 (its first ``cluster.routing_prefix_pages`` full pages) gets it, unless that group's outstanding
 tokens exceed the least-loaded group's by more than ``cluster.routing_imbalance_tokens``: then the
-least-loaded group does (ties in the match go to the less loaded). A prefix no group matches goes to
+least-loaded group does (ties in the match go to the less loaded). Since prefix hits are not
+outstanding work, a burst of requests sharing a cached prefix stays on its group until the tokens
+they leave it to compute, not their prompts, outweigh the bound. A prefix no group matches goes to
 the least-loaded group, among equally loaded ones the one caching fewest pages (so distinct prefixes
 spread over idle groups, as SGLang's router sends them to its smallest tree).
 A cache hit saves its group the prefix's prefill; the bound keeps a popular prefix from piling every
@@ -76,7 +87,7 @@ class GroupLoad:
     free_pages: int
     running: int  # requests in the group's engine
     max_running: int
-    outstanding_tokens: int  # prefill tokens still to compute + decode tokens still to generate
+    outstanding_tokens: int  # prefill tokens still to compute (prefix hits left out) + decode tokens to generate
     max_model_len: int
     usable_pages: int = 1 << 30  # the group's KV pages (bounds its prefix-affinity table)
 
@@ -128,6 +139,20 @@ class Router:
         if best is not least:
             self.prefix_routed += 1
         return best
+
+    def prefill_work(self, load: GroupLoad, request: FleetRequest) -> tuple[int, int]:
+        """``(cached, tokens)`` for placing ``request`` on ``load``'s prefill-capable group: the prefix
+        tokens its table matches (matched leading pages x page size; 0 under least_loaded or for a
+        request asking for prompt log-probabilities, which computes its whole prompt), and the
+        outstanding tokens the placement adds: ``max(1, num_tokens - cached)`` to compute, plus the
+        decode tokens to generate on a colocated group. Asked before :meth:`assign` records the keys."""
+        cached = 0
+        if self.policy == "prefix_aware" and request.params.prompt_logprobs is None:
+            cached = self.affinity.match(load.group_id, self.page_keys(request)) * self.page_size
+        tokens = max(1, request.num_tokens - cached)  # the engine counts a waiting request alike
+        if load.role == "colocated":
+            tokens += request.remaining_output(load.max_model_len)
+        return cached, tokens
 
     def pick_decode(self, loads: Iterable[GroupLoad], request: FleetRequest) -> GroupLoad | None:
         """The decode group to receive ``request``'s KV now, or None to let it wait."""

@@ -138,6 +138,12 @@ class SchedulerConfig(Section):
     mixed_prefill_tokens: most prompt tokens a step that carries decode rows computes; lower it to
         shorten the steps a running stream waits through while prompts arrive (prompts then take
         more steps to prefill); None = all the budget the decode rows leave.
+    defer_shared_prefixes: with cache.prefix_caching, a waiting request whose next full page to
+        compute is one that an earlier request in the same step computes waits a step (keeping its
+        place in the queue) and then finds the page cached, so prompts sharing a prefix that arrive
+        together compute it once (SGLang's in-batch prefix caching check). A request waits only
+        while a chunk of the step being scheduled writes that page, so it never waits for a request
+        that is aborted, preempted or done with the shared pages.
     """
 
     max_running_requests: int = 256
@@ -147,6 +153,7 @@ class SchedulerConfig(Section):
     async_scheduling: bool = True
     mixed_steps: bool = True
     mixed_prefill_tokens: int | None = None
+    defer_shared_prefixes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size", "max_waiting_requests"):

@@ -80,7 +80,8 @@ class Engine:
         self.allocator = PrefixCachePool(num_pages) if self.prefix_caching else PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
-                            sched.chunked_prefill_size, page_size, sched.mixed_steps, sched.mixed_prefill_tokens),
+                            sched.chunked_prefill_size, page_size, sched.mixed_steps, sched.mixed_prefill_tokens,
+                            sched.defer_shared_prefixes),
             self.allocator, self.max_model_len)
         registry = registry if registry is not None else getattr(self.executor, "registry", None)
         if registry is not None:
@@ -187,7 +188,7 @@ class Engine:
 
     def admit(self, prompt_ids: Sequence[int], params: SamplingParams, *, seed: int, request_id: str,
               output_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
-              on_first_token: Callable[[Request], None] | None = None) -> str:
+              on_first_token: Callable[[Request], None] | None = None, expected_cached_tokens: int = 0) -> str:
         """Queue a request for prefill with a caller-chosen ``seed``, resuming ``output_ids`` if given.
 
         The request prefills ``prompt_ids + output_ids`` and samples output token
@@ -196,11 +197,14 @@ class Engine:
         ``on_first_token(request)`` runs while its pages still hold the KV of every token but the
         new one (it must copy them or order its copy before the next step, and must not raise),
         then the request finishes here with reason ``handoff`` (its text is not flushed).
+        ``expected_cached_tokens``: the prefix the fleet's router expects cached here
+        (:attr:`Request.expected_cached_tokens`); it changes no output.
         """
         if on_first_token is not None and self.async_scheduling:
             raise RequestRejected("a hand-off after the first token needs scheduler.async_scheduling=false "
                                   "(the next step would already be on its way)")
         req = self._resumed(prompt_ids, output_ids, params, seed, request_id, logprobs)
+        req.expected_cached_tokens = expected_cached_tokens
         self._register(req, on_first_token)
         self.scheduler.add(req)
         return request_id

@@ -49,6 +49,9 @@ class Request:
     #: prompt tokens found in the prefix cache when it was first scheduled (vLLM's num_cached_tokens);
     #: None until then
     cached_tokens: int | None = None
+    #: prompt tokens the fleet's router expected this engine to have cached when it placed the request;
+    #: until the scheduler admits it, its group's load counts its prefill without them (cluster/engine_host.py)
+    expected_cached_tokens: int = 0
     #: content keys of its first full pages, hashed once each (its tokens never change)
     page_keys: list[bytes] = field(default_factory=list, repr=False)
     #: leading pages of ``pages`` that are in the prefix cache or were offered to it (reset by preemption)

@@ -32,6 +32,18 @@ preemption) it takes the longest run of cached full pages its sequence starts wi
 fresh page on. :meth:`Scheduler.cache_full_pages` registers each page once it is full of tokens
 whose KV a sent step writes (prompt pages and decoded ones alike). A request asking for
 ``prompt_logprobs`` computes its whole prompt (cached positions have no logits).
+
+In-batch prefix deduplication (``SchedulerLimits.defer_shared_prefixes``, with prefix caching): a
+step's chunks *claim* the full pages they write (running requests' chunks and admissions alike).
+A waiting request whose first full page it would compute (the first past its cached run, short of
+its last token's page) is claimed by an earlier chunk of the same step is skipped for this step,
+keeping its place in the waiting queue: the claiming chunk's pages are registered when the step is
+sent, so the next step finds them cached (SGLang's in-batch prefix caching check). Shared prompts
+arriving together compute their prefix once. **No starvation**: only a page that a chunk of this very
+step writes defers, so every deferral comes with progress on the shared pages; once they are cached,
+or nothing in the step writes them (the claimant finished, was aborted or preempted), the request is
+admitted in its place. At most ``max_running_requests`` requests are skipped per step (the scan
+stops there).
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ class SchedulerLimits:
     page_size: int
     mixed_steps: bool = False
     mixed_prefill_tokens: int | None = None
+    defer_shared_prefixes: bool = True
 
     def mixed_prefill_budget(self, num_decode_rows: int) -> int:
         """Prompt tokens a step carrying ``num_decode_rows`` decode rows may add (<= 0: none)."""
@@ -169,6 +182,9 @@ class Scheduler:
         if budget is None:
             budget = min(self.limits.max_num_batched_tokens, self.limits.chunked_prefill_size)
         batch = ScheduledBatch(True, [], [], [], [])
+        # The keys of the full pages this step's chunks write (in-batch deduplication: module docstring).
+        dedup = self.prefix_cache is not None and self.limits.defer_shared_prefixes
+        claimed: set[bytes] | None = set() if dedup else None
 
         def take(req: Request) -> bool:
             nonlocal budget
@@ -181,14 +197,23 @@ class Scheduler:
             batch.num_new.append(n)
             batch.sample.append(n == remaining)
             budget -= n
+            if claimed is not None:
+                self._claim(claimed, req, req.num_computed, n)
             return True
 
         for req in self.running:
             if req.prefilling and budget > 0:
                 take(req)
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running_requests:
             req = self.waiting[0]
             reused = self._reuse_cached_prefix(req)
+            if claimed and self._computes_claimed(req, reused, claimed):
+                self._put_back_cached_prefix(req, reused)
+                skipped.append(self.waiting.popleft())
+                if len(skipped) >= self.limits.max_running_requests:
+                    break  # bounds the scan: each skip looked the request's prefix up
+                continue
             # Headroom: leave one free page per running request so admission does not
             # immediately force the next decode step to preempt.
             headroom = len(self.running)
@@ -203,6 +228,7 @@ class Scheduler:
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
+        self.waiting.extendleft(reversed(skipped))  # back in front, in their order
         return batch if batch.requests else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -255,6 +281,21 @@ class Scheduler:
             req.num_cached_pages = len(pages)
             req.num_computed = len(pages) * self.limits.page_size
         return len(pages)
+
+    def _claim(self, claimed: set[bytes], req: Request, start: int, n: int) -> None:
+        """Add to ``claimed`` the keys of ``req``'s full pages that its chunk ``[start, start + n)`` writes."""
+        size = self.limits.page_size
+        end = min(-(-(start + n) // size), req.num_tokens // size)
+        if end > start // size:
+            claimed.update(self._keys(req, end)[start // size:])
+
+    def _computes_claimed(self, req: Request, reused: int, claimed: set[bytes]) -> bool:
+        """Whether the first full page ``req`` would compute after its ``reused`` cached ones (short of
+        its last token's page) is in ``claimed``. Keys chain, so a page shared later means this one is."""
+        if req.params.prompt_logprobs is not None:
+            return False  # it reads nothing from the cache: waiting would not spare it any work
+        keys = req.page_keys  # as far as _reuse_cached_prefix hashed them
+        return reused < min(len(keys), (req.num_tokens - 1) // self.limits.page_size) and keys[reused] in claimed
 
     def _put_back_cached_prefix(self, req: Request, reused: int) -> None:
         """Undo :meth:`_reuse_cached_prefix` for a request that stays waiting."""
