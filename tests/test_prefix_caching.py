@@ -9,8 +9,8 @@ import random
 from prometheus_client import CollectorRegistry
 
 from deploy.config import load_config
+from tests.page_checks import assert_all_pages_back
 from worker.engine import Engine
-from worker.prefix_cache import PrefixCachePool
 from worker.prefix_hash import page_keys
 from worker.sampling.params import SamplingParams
 
@@ -25,13 +25,6 @@ def _engine(path, caching: bool, *overrides: str, registry=None) -> Engine:
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 1024) for _ in range(n)]
 
-
-def _all_back(engine: Engine, free: int) -> None:
-    pool = engine.allocator
-    assert not engine.in_flight and not engine.has_unfinished()
-    assert engine.num_free_pages == free and not pool.take_held()
-    if isinstance(pool, PrefixCachePool):
-        assert all(pool.refcount(p) == 0 for p in range(pool.num_pages))
 
 
 def test_sequential_hits_equal_the_prediction_and_outputs_equal_uncached(checkpoint_dir):
@@ -71,7 +64,7 @@ def test_sequential_hits_equal_the_prediction_and_outputs_equal_uncached(checkpo
     assert registry.get_sample_value("prefix_cache_queries_total") == queries
     assert registry.get_sample_value("prefix_cache_hits_total") == hits
     assert off.prefix_cache_stats.queries == 0
-    _all_back(on, free)
+    assert_all_pages_back(on, free)
     # Prefill steps computed only what was not cached.
     computed = sum(s.num_tokens for s in on.step_stats if s.phase == "prefill")
     assert computed == queries - hits == sum(s.num_tokens for s in off.step_stats if s.phase == "prefill") - hits
@@ -113,7 +106,7 @@ def test_concurrent_requests_with_preemption_and_aborts_equal_uncached(checkpoin
                     engine.abort(rid)
                     del aborts[rid]
             assert steps < 20_000
-        _all_back(engine, free)
+        assert_all_pages_back(engine, free)
         results[caching] = (engine, [engine.output(i) for i in ids])
     (on, got), (off, ref) = results[True], results[False]
     kept = [k for k, (_, _, _, abort_after) in enumerate(work) if abort_after is None]
@@ -186,7 +179,7 @@ def test_a_lost_step_empties_the_cache(checkpoint_dir):
     again = engine.generate([prompt], greedy)[0]
     assert engine.output(first).token_ids == want and again.token_ids == want
     assert engine.output(first).cached_tokens == 0 and again.cached_tokens == 48
-    _all_back(engine, free)
+    assert_all_pages_back(engine, free)
 
 
 def test_hand_off_exports_shared_pages_and_drops_the_prefill_engines_refs(checkpoint_dir):
@@ -219,7 +212,7 @@ def test_hand_off_exports_shared_pages_and_drops_the_prefill_engines_refs(checkp
     assert [ev.cached_tokens for ev in handed] == [0, 32, 32]
     # r1 and r2 were prefilled together, sharing r0's two cached pages: r1 left first.
     assert shared == {"r0": 0, "r1": 2, "r2": 0}
-    _all_back(pre, free)
+    assert_all_pages_back(pre, free)
     assert pre.allocator.num_cached > 0
     for i, p in enumerate(prompts):
         payload, out = payloads[f"r{i}"]
@@ -258,4 +251,4 @@ def test_async_pages_are_shared_once_sent_and_held_when_dropped_in_flight(checkp
         engine.step()
     assert engine.output(c).cached_tokens == 48
     assert [engine.output(r).token_ids for r in (b, c)] == [o.token_ids for o in want]
-    _all_back(engine, free)
+    assert_all_pages_back(engine, free)

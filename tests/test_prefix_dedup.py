@@ -9,6 +9,7 @@ import random
 import pytest
 
 from deploy.config import load_config
+from tests.page_checks import assert_all_pages_back
 from worker.engine import Engine
 from worker.prefix_cache import PrefixCachePool
 from worker.request import Request, Status
@@ -149,13 +150,6 @@ def _engine(path, *overrides: str, caching: bool = True) -> Engine:
                                      "graphs.debug=true", f"cache.prefix_caching={str(caching).lower()}", *overrides]))
 
 
-def _all_back(engine: Engine, free: int) -> None:
-    pool = engine.allocator
-    assert not engine.in_flight and not engine.has_unfinished()
-    assert engine.num_free_pages == free and not pool.take_held()
-    if isinstance(pool, PrefixCachePool):
-        assert all(pool.refcount(p) == 0 for p in range(pool.num_pages))
-
 
 def _sharers(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -186,7 +180,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once(checkpoint_dir, shape):
     assert computed == {"on": prompt_tokens - (n - 1) * prefix, "off": prompt_tokens, "uncached": prompt_tokens}
     assert engines["on"].step_stats[0].num_tokens == len(prompts[0])  # the first step: the first request alone
     for k, e in engines.items():
-        _all_back(e, free[k])
+        assert_all_pages_back(e, free[k])
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -211,7 +205,7 @@ def test_the_first_sharer_aborted_mid_prefix_holds_no_one_back(checkpoint_dir, a
     got = [engine.output(i) for i in ids[1:]]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.cached_tokens for o in got] == [48] + [64] * 4
-    _all_back(engine, free)
+    assert_all_pages_back(engine, free)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -243,4 +237,4 @@ def test_the_first_sharer_preempted_mid_prefix_holds_no_one_back(checkpoint_dir,
     assert preempted_mid_prefix
     assert [engine.output(i).token_ids for i in ids] == [o.token_ids for o in want]
     assert [engine.output(i).cached_tokens for i in ids[3:]] == [4 * PAGE] * 5
-    _all_back(engine, free)
+    assert_all_pages_back(engine, free)
