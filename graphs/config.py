@@ -53,7 +53,7 @@ class PrefillGraphConfig(Section):
     num_request_slots: request rows per captured prefill shape; a step with more rows runs eagerly
         (too_many_requests). None = scheduler.max_running_requests with mixed steps on (a mixed step
         has a row per running request: its decode rows and its prefill chunks), else
-        max(1, chunked_prefill_size // 512). Each slot costs a (hidden,) row of the static output
+        max(1, chunked_prefill_size // 512) capped at max_running_requests. Each slot costs a (hidden,) row of the static output
         and a row of every plan (sentinel rows are empty: flashinfer schedules no work for them).
     max_padding_ratio: replay a bucket only if bucket / actual tokens <= this, else run eager (>= 1).
     """
@@ -82,14 +82,18 @@ class PrefillGraphConfig(Section):
             return self.max_tokens
         return self.token_buckets[-1] if self.token_buckets else chunked_prefill_size
 
-    def resolved_num_request_slots(self, chunked_prefill_size: int, mixed_step_rows: int | None = None) -> int:
-        """``num_request_slots`` with None resolved; ``mixed_step_rows``: the most rows a mixed step
-        has (the scheduler's max_running_requests) when mixed steps are on, else None."""
+    def resolved_num_request_slots(self, chunked_prefill_size: int, max_running_requests: int | None = None,
+                                   mixed_steps: bool = False) -> int:
+        """``num_request_slots`` with None resolved: with ``mixed_steps`` the most rows a mixed step has
+        (``max_running_requests``), else ``max(1, chunked_prefill_size // 512)``, never more than
+        ``max_running_requests`` (a prefill step has at most that many requests: more slots would be
+        sentinels in every replay)."""
         if self.num_request_slots is not None:
             return self.num_request_slots
-        if mixed_step_rows is not None:
-            return mixed_step_rows
-        return max(1, chunked_prefill_size // 512)
+        if mixed_steps and max_running_requests is not None:
+            return max_running_requests
+        slots = max(1, chunked_prefill_size // 512)
+        return slots if max_running_requests is None else min(slots, max_running_requests)
 
 
 @dataclass(frozen=True)

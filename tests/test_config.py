@@ -315,6 +315,9 @@ def test_resolved_defaults():
     assert cfg.graphs.prefill.resolved_max_tokens(8192) == 8192
     assert cfg.graphs.prefill.resolved_num_request_slots(8192) == 16
     assert cfg.graphs.prefill.resolved_num_request_slots(256) == 1
+    # Never more slots than requests a step can carry; mixed steps take one per running request.
+    assert cfg.graphs.prefill.resolved_num_request_slots(8192, 4) == 4
+    assert cfg.graphs.prefill.resolved_num_request_slots(8192, 256, mixed_steps=True) == 256
     assert cfg.graphs.resolved_memory_budget(1000) is None
     assert with_overrides(cfg, ["graphs.memory_budget=0.5"]).graphs.resolved_memory_budget(1000) == 500
     assert with_overrides(cfg, ["graphs.memory_budget=1000000"]).graphs.resolved_memory_budget(1) == 10**6

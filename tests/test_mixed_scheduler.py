@@ -142,6 +142,30 @@ def test_decode_rows_preempt_the_youngest_as_a_decode_step_does():
     assert [len(r.output_ids) for r in (old, young)] == [3, 3]
 
 
+def test_a_step_that_preempted_admits_nobody_not_even_its_victim():
+    # 9 usable pages: a decoder of 16 tokens, then a 100-token prompt that prefills beside it and
+    # decodes until the pages run out. The old decoder's next page preempts the young one (its pages
+    # freed: 7 free after the old row's page); the mixed budget left (47 tokens, 3 pages) would re-admit
+    # it at once, to recompute what it just lost and be preempted again by the next page the old row
+    # needs. vLLM's rule: a step that preempted admits nobody.
+    sched = make_scheduler(num_pages=10, budget=48)
+    old, = decoding(sched, 15)
+    young = make_request(100, 5)
+    sched.add(young)
+    for _ in range(40):
+        before = sched.num_preemptions
+        batch = sched.schedule()
+        if sched.num_preemptions != before:
+            break
+        land(sched, batch)
+    assert sched.num_preemptions == 1 and young.status is Status.WAITING and sched.waiting[0] is young
+    assert batch.phase == "decode" and batch.requests == [old] and sched.allocator.num_free == 7
+    assert pages_accounted(sched)
+    land(sched, batch)
+    nxt = sched.schedule()  # the next step admits it again
+    assert nxt.phase == "mixed" and nxt.requests == [old, young] and young.status is Status.RUNNING
+
+
 def _random_workload(seed: int, mixed: bool) -> tuple[int, int]:
     """Random arrivals, lengths and aborts through the scheduler; checks, every step: the budget,
     page accounting, chunk order, and with mixed steps that every request decoding before a step

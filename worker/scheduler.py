@@ -12,7 +12,10 @@ How a step is composed (``SchedulerLimits.mixed_steps``):
   **Bound**: a running request that is not preempted gets a token from every step, and a step
   computes at most the budget's tokens (its decode rows plus ``mixed_prefill_tokens`` when set),
   so a running stream's inter-token gap is one step of that size at most, however many prompts
-  arrive. When the decode rows alone fill the budget the step is a decode batch.
+  arrive. When the decode rows alone fill the budget the step is a decode batch. A step whose
+  decode rows preempted admits no waiting request (vLLM's rule): the pages a preemption frees
+  go to the decode rows, not back to the request just preempted or to a newcomer that the next
+  decode step would preempt in turn; running requests' prefill chunks still go in.
 - Mixed steps off: a step is a prefill batch or a decode batch, prefill first (SGLang's default
   policy: it admits requests and bounds time to first token); a running stream waits one whole
   prefill step per chunk while prompts arrive.
@@ -156,11 +159,13 @@ class Scheduler:
 
     def _schedule_mixed(self) -> ScheduledBatch | None:
         """Every decode row, then prefill chunks in the budget they leave (module docstring)."""
+        preemptions = self.num_preemptions
         decode = self._schedule_decode()
         if decode is None:
             return self._schedule_prefill()
         budget = self.limits.mixed_prefill_budget(decode.size)
-        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        admit = self.num_preemptions == preemptions  # a step that preempted admits nobody (module docstring)
+        prefill = self._schedule_prefill(budget, admit) if budget > 0 else None
         if prefill is None:
             return decode
         return ScheduledBatch(True, decode.requests + prefill.requests, decode.start + prefill.start,
@@ -176,9 +181,9 @@ class Scheduler:
         request.pages.extend(self.allocator.allocate(need))
         return True
 
-    def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch | None:
-        """Prefill chunks of running requests, then admissions, within ``budget`` tokens (default:
-        min(max_num_batched_tokens, chunked_prefill_size))."""
+    def _schedule_prefill(self, budget: int | None = None, admit: bool = True) -> ScheduledBatch | None:
+        """Prefill chunks of running requests, then (if ``admit``) admissions, within ``budget`` tokens
+        (default: min(max_num_batched_tokens, chunked_prefill_size))."""
         if budget is None:
             budget = min(self.limits.max_num_batched_tokens, self.limits.chunked_prefill_size)
         batch = ScheduledBatch(True, [], [], [], [])
@@ -205,7 +210,7 @@ class Scheduler:
             if req.prefilling and budget > 0:
                 take(req)
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running_requests:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.limits.max_running_requests:
             req = self.waiting[0]
             reused = self._reuse_cached_prefix(req)
             if claimed and self._computes_claimed(req, reused, claimed):

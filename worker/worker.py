@@ -281,8 +281,8 @@ class Worker:
         if name is None:
             return EagerRunner("prefill", reason, self.graph_metrics)
         p, sched = self.config.graphs.prefill, self.config.scheduler
-        slots = p.resolved_num_request_slots(sched.chunked_prefill_size,
-                                             sched.max_running_requests if sched.mixed_steps else None)
+        slots = p.resolved_num_request_slots(sched.chunked_prefill_size, sched.max_running_requests,
+                                             sched.mixed_steps)
         ladder = self._prefill_ladder(planner_candidates)
         if name == "full":
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
