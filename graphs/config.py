@@ -53,8 +53,9 @@ class PrefillGraphConfig(Section):
     num_request_slots: request rows per captured prefill shape; a step with more rows runs eagerly
         (too_many_requests). None = scheduler.max_running_requests with mixed steps on (a mixed step
         has a row per running request: its decode rows and its prefill chunks), else
-        max(1, chunked_prefill_size // 512) capped at max_running_requests. Each slot costs a (hidden,) row of the static output
-        and a row of every plan (sentinel rows are empty: flashinfer schedules no work for them).
+        max(1, chunked_prefill_size // 512) capped at max_running_requests. Each slot costs a (hidden,)
+        row of the static output and a row of every plan (sentinel rows are empty: flashinfer
+        schedules no work for them).
     max_padding_ratio: replay a bucket only if bucket / actual tokens <= this, else run eager (>= 1).
     """
 
