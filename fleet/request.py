@@ -195,6 +195,7 @@ class FleetRequest:
     phases: tuple[float, float] | None = None  # the engine's queue and prefill seconds (RequestEvent.phases)
     prompt_logprobs: list | None = None  # RequestEvent.prompt_logprobs, from the first event that has them
     cached_tokens: int | None = None  # RequestEvent.cached_tokens, from the first event that has them
+    prefix_keys: list | None = None  # the router's page keys of its leading prompt pages (Router.page_keys)
 
     @property
     def deadline(self) -> float | None:

@@ -39,7 +39,6 @@ thread by :class:`AdmissionGate`); a request already accepted is never refused l
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -105,15 +104,13 @@ class Router:
         self.imbalance_tokens = imbalance_tokens
         self.prefix_pages = prefix_pages
         self.affinity = PrefixAffinity()
-        self._keys: weakref.WeakKeyDictionary[FleetRequest, list[PageKey]] = weakref.WeakKeyDictionary()
         self.prefix_routed = 0  # placements that went to the best-matching group over the least loaded
 
     def page_keys(self, request: FleetRequest) -> list[PageKey]:
         """The keys of ``request``'s first ``prefix_pages`` full prompt pages (computed once per request)."""
-        keys = self._keys.get(request)
-        if keys is None:
-            keys = self._keys[request] = page_keys(request.prompt_ids, self.page_size, limit=self.prefix_pages)
-        return keys
+        if request.prefix_keys is None:
+            request.prefix_keys = page_keys(request.prompt_ids, self.page_size, limit=self.prefix_pages)
+        return request.prefix_keys
 
     def pages(self, num_tokens: int) -> int:
         """KV pages that ``num_tokens`` tokens take."""

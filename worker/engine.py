@@ -76,8 +76,8 @@ class Engine:
         num_pages = self.executor.num_pages
         self._max_model_len = self.executor.max_len
         sched = config.scheduler
-        self.prefix_caching = config.cache.prefix_caching
-        self.allocator = PrefixCachePool(num_pages) if self.prefix_caching else PageAllocator(num_pages)
+        prefix_caching = config.cache.prefix_caching
+        self.allocator = PrefixCachePool(num_pages) if prefix_caching else PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(sched.max_running_requests, sched.max_num_batched_tokens,
                             sched.chunked_prefill_size, page_size, sched.mixed_steps, sched.mixed_prefill_tokens,
@@ -96,7 +96,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(config.model.seed)
         log.info("engine ready: %d KV pages of %d tokens, max_model_len %d, prefix caching %s", num_pages,
-                 page_size, self.max_model_len, "on" if self.prefix_caching else "off")
+                 page_size, self.max_model_len, "on" if prefix_caching else "off")
 
     @property
     def worker(self) -> Worker:

@@ -280,7 +280,7 @@ class Scheduler:
         skip their tokens; returns how many pages."""
         if self.prefix_cache is None or req.num_computed or req.pages or req.params.prompt_logprobs is not None:
             return 0
-        pages = self.prefix_cache.acquire(self._keys(req, (req.num_tokens - 1) // self.limits.page_size))
+        pages = self.prefix_cache.acquire(self._keys(req, self._reusable_pages(req)))
         if pages:
             req.pages = PageTable(pages)
             req.num_cached_pages = len(pages)
@@ -300,7 +300,12 @@ class Scheduler:
         if req.params.prompt_logprobs is not None:
             return False  # it reads nothing from the cache: waiting would not spare it any work
         keys = req.page_keys  # as far as _reuse_cached_prefix hashed them
-        return reused < min(len(keys), (req.num_tokens - 1) // self.limits.page_size) and keys[reused] in claimed
+        return reused < min(len(keys), self._reusable_pages(req)) and keys[reused] in claimed
+
+    def _reusable_pages(self, req: Request) -> int:
+        """Full pages before ``req``'s last token: the most it can take from the cache (the last token is
+        computed, to sample)."""
+        return (req.num_tokens - 1) // self.limits.page_size
 
     def _put_back_cached_prefix(self, req: Request, reused: int) -> None:
         """Undo :meth:`_reuse_cached_prefix` for a request that stays waiting."""
