@@ -6,13 +6,16 @@ One engine per preset (decode graphs on, the default config otherwise); for each
 of ``--context`` prompt tokens are prefilled and whole engine steps (schedule, plan, replay,
 sample, read back, detokenize) are timed with the batch's rows asking for nothing, for logprobs,
 for logprobs with top_logprobs=20 and for the three penalties, in ``--rounds`` interleaved rounds (the variants see the
-same machine state); each variant's step is the median over its rounds. Usage (GPU machine):
+same machine state); each variant's step is the median over its rounds. First, the tail alone:
+the fused log-probability kernels against the torch ops they replace, as graph replays at the
+preset's vocabulary. Usage (GPU machine):
 ``python bench/logprobs.py [--presets ...] [--batches ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -40,6 +43,53 @@ def step_seconds(engine: Engine, batch: int, context: int, repeats: int, fields:
 
     inspect = came_back if fields.get("logprobs") else None
     return statistics.median(decode_step_times(engine, batch, context, repeats, g, inspect, **fields))
+
+
+def tail_microseconds(fn, logits: torch.Tensor, tokens: torch.Tensor, width: int, replays: int = 200) -> float:
+    """Median device microseconds of ``fn(logits, tokens, width)`` replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(logits, tokens, width)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(logits, tokens, width)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)
+    graph.reset()
+    return statistics.median(times)
+
+
+def tail_rows(preset: str, vocab: int, batches: list[int]) -> list[dict]:
+    """The log-probability tail alone, fused kernels against the torch ops they replace (each with
+    its packing), per batch and width, as graph replays over float32 logits."""
+    from worker.sampling.fused_logprobs import logprob_tail as fused
+    from worker.sampling.logprobs import torch_logprobs_of
+    from worker.sampling.packed_rows import pack
+
+    def torch_tail(logits, tokens, width):
+        chosen, ids, values = torch_logprobs_of(logits, tokens, width)
+        return chosen, ids, values, pack(tokens, chosen, ids, values)
+
+    rows = []
+    for b in batches:
+        g = torch.Generator(device="cuda").manual_seed(b)
+        logits = torch.randn(b, vocab, device="cuda", generator=g) * 4
+        tokens = torch.randint(0, vocab, (b,), device="cuda", generator=g)
+        for width in (0, MAX_TOP_LOGPROBS):
+            t_fused = tail_microseconds(fused, logits, tokens, width)
+            t_torch = tail_microseconds(torch_tail, logits, tokens, width)
+            rows.append({"preset": preset, "vocab": vocab, "batch": b, "width": width, "fused_us": t_fused,
+                         "torch_us": t_torch, "fused_over_torch": t_fused / t_torch})
+    return rows
 
 
 def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rounds: int) -> list[dict]:
@@ -76,13 +126,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
-    rows = []
+    rows, tails = [], []
+    batches = [int(b) for b in args.batches.split(",")]
     for preset in args.presets.split(","):
         path = ensure_checkpoint(preset, Path(args.checkpoints))
-        rows += bench_preset(path, [int(b) for b in args.batches.split(",")], args.context, args.repeats, args.rounds)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        tails += tail_rows(preset, vocab, batches)
+        rows += bench_preset(path, batches, args.context, args.repeats, args.rounds)
+    print("The tail alone (graph replays, device us):")
+    print_table(tails, ["preset", "vocab", "batch", "width", "fused_us", "torch_us", "fused_over_torch"])
+    print("Engine decode steps:")
     print_table(rows, ["preset", "batch", "context", "none_ms", "logprobs_ms", "top20_ms", "penalties_ms",
                        "logprobs_over_none", "top20_over_none", "penalties_over_none"])
-    out = write_results("logprobs", {"env": environment(), "rows": rows, "args": vars(args)})
+    out = write_results("logprobs", {"env": environment(), "rows": rows, "tail": tails, "args": vars(args)})
     print(f"wrote {out}")
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (worker/sampling/fused_logprobs.py) run on CPU tensors only in Triton's
+    # interpreter, which is chosen when triton is first imported; GPU runs compile them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,9 @@
 """The log-probability tail of a step as one CUDA graph per (bucket, width): one launch, not ~15.
 
-:func:`worker.sampling.logprobs.logprobs_of` is about 15 small kernels. On a host-bound step
-(tinyllama at batch 64 on the H200, ~30 us of host per torch op) their launches cost more than
-the device time they add (issue 19). :class:`LogprobGraphs` captures the tail, with the packing of
+The tail is two kernels on CUDA (:mod:`worker.sampling.fused_logprobs`, which packs the
+read-back's rows as it goes) and about 15 torch ops elsewhere; launched one by one, on a host-bound
+step (tinyllama at batch 64 on the H200, ~30 us of host per torch op) even a few launches cost
+more than the device time they add (issue 19). :class:`LogprobGraphs` captures the tail, with the packing of
 the read-back's rows (:func:`worker.sampling.packed_rows.pack`), over a static input, and serves a
 call with one copy of the tokens, one replay, and a copy of the logits only when they are not
 already in the static input.
@@ -51,7 +52,7 @@ import torch
 from graphs.buckets import choose_bucket, default_decode_ladder
 from graphs.capture_failures import offending_call, root_cause
 from graphs.process import capture_stream, graph_pool
-from worker.sampling.logprobs import logprobs_of
+from worker.sampling.logprobs import fused_tail, logprobs_of
 from worker.sampling.packed_rows import pack
 from worker.sampling.params import MAX_TOP_LOGPROBS
 
@@ -68,7 +69,11 @@ _UNSEEN = object()
 
 
 def logprob_tail(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> Tail:
-    """:func:`~worker.sampling.logprobs.logprobs_of` of float32 ``logits`` and its packed rows."""
+    """:func:`~worker.sampling.logprobs.logprobs_of` of float32 ``logits`` and its packed rows (on
+    CUDA the fused kernels, which pack as they go)."""
+    fused = fused_tail() if logits.is_cuda else None
+    if fused is not None:
+        return fused(logits, tokens, width)
     chosen, ids, values = logprobs_of(logits, tokens, width)
     return chosen, ids, values, pack(tokens, chosen, ids, values)
 

@@ -1,22 +1,46 @@
 """Log-probabilities of sampled tokens and the most likely alternatives, on the device.
 
 :func:`logprobs_of` is what the sampler returns for rows that ask (and what the prompt scorer
-returns for prompt positions); :func:`top_k_rows` is its top-k. Both only enqueue device work.
+returns for prompt positions): on CUDA the fused kernels of :mod:`worker.sampling.fused_logprobs`,
+elsewhere :func:`torch_logprobs_of`, whose top-k is :func:`top_k_rows`. All only enqueue device work.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-__all__ = ["TOP_K_CHUNK", "logprobs_of", "top_k_rows"]
+__all__ = ["TOP_K_CHUNK", "fused_tail", "logprobs_of", "top_k_rows", "torch_logprobs_of"]
 
 
 def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(log-probabilities of ``tokens`` (B,) under float32 logits ``unbiased`` (B, V), and the
     ``width`` most likely tokens' ids and log-probabilities, None when ``width`` is 0).
+
+    CUDA tensors (where Triton is present) take the fused kernels of
+    :mod:`worker.sampling.fused_logprobs`; others :func:`torch_logprobs_of`."""
+    fused = fused_tail() if unbiased.is_cuda else None
+    if fused is not None:
+        return fused(unbiased, tokens, min(width, unbiased.shape[-1]))[:3]
+    return torch_logprobs_of(unbiased, tokens, width)
+
+
+@functools.cache
+def fused_tail():
+    """:func:`worker.sampling.fused_logprobs.logprob_tail`, or None where Triton is absent."""
+    try:
+        from worker.sampling.fused_logprobs import logprob_tail
+    except ImportError:
+        return None
+    return logprob_tail
+
+
+def torch_logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`logprobs_of` in torch ops (any device; the fused kernels' reference).
 
     One fused ``log_softmax`` (a single kernel; ``logsumexp`` is a chain of seven over the whole
     row), then a gather and :func:`top_k_rows` on its output: the top values are log-probabilities

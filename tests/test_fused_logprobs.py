@@ -1,0 +1,104 @@
+"""worker.sampling.fused_logprobs in Triton's interpreter (CPU; tests/conftest.py switches it on):
+the chosen token's log-probability, the top ``width`` and the packed rows equal the torch path
+(:func:`worker.sampling.logprobs.torch_logprobs_of` and :func:`~worker.sampling.packed_rows.pack`)
+across chunk layouts, a partial last chunk, ties, -inf entries, bf16 and strided inputs; bad
+inputs get errors that name them. Small chunks keep the interpreter's sorts quick; the GPU module
+runs the default chunks at real vocabularies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.sampling.fused_logprobs import chunk_width, logprob_tail
+from worker.sampling.logprobs import torch_logprobs_of
+from worker.sampling.packed_rows import pack
+
+ATOL = 4e-6  # float32 rounding of a differently ordered log-sum-exp, logits of scale ~4
+
+
+def _inputs(rows: int, vocab: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    return logits, torch.randint(0, vocab, (rows,), generator=g)
+
+
+def _assert_matches_torch(got, logits, tokens, width):
+    chosen, ids, values = torch_logprobs_of(logits.float(), tokens, width)
+    torch.testing.assert_close(got[0], chosen, atol=ATOL, rtol=0)
+    if not width:
+        assert got[1] is None and got[2] is None
+    else:
+        torch.testing.assert_close(got[2], values, atol=ATOL, rtol=0)
+        # float32 normals have no ties: the same ids in the same order; bf16 ones tie, and ties
+        # come lower id first (torch's topk promises no order): ids that hold the same values
+        assert torch.equal(got[1], ids) or (logits.dtype != torch.float32 and torch.equal(
+            logits.float().log_softmax(-1).gather(1, got[1]), values))
+    assert torch.equal(got[3], pack(tokens, got[0], got[1], got[2]))
+
+
+@pytest.mark.parametrize("rows,vocab,width,chunk", [
+    (3, 1000, 20, 64),  # 16 chunks, the last partial: 320 candidates
+    (2, 300, 5, 32),
+    (4, 257, 0, 64),  # no alternatives: only the log-sum-exp and the chosen token
+    (1, 20, 20, 32),  # width = vocabulary, one partial chunk
+    (2, 64, 1, 64),  # one full chunk, one candidate
+])
+def test_equals_the_torch_path(rows, vocab, width, chunk):
+    logits, tokens = _inputs(rows, vocab, seed=rows * vocab + width)
+    _assert_matches_torch(logprob_tail(logits, tokens, width, chunk=chunk), logits, tokens, width)
+
+
+def test_bf16_strided_rows_and_int32_tokens():
+    wide, tokens = _inputs(3, 700, seed=1, dtype=torch.bfloat16)
+    logits = wide[:, :500]  # row stride 700, columns contiguous
+    got = logprob_tail(logits, tokens.remainder(500).to(torch.int32), 8, chunk=64)
+    _assert_matches_torch(got, logits, tokens.remainder(500), 8)
+
+
+def test_ties_come_lower_id_first_and_minus_inf_last():
+    logits = torch.full((2, 200), -math.inf)
+    logits[0, [7, 150, 3, 90]] = torch.tensor([2.0, 2.0, 1.0, 2.0])  # three equal maxima in three chunks
+    logits[1] = torch.arange(200.0).flip(0) / 50
+    logits[1, 100:] = -math.inf
+    tokens = torch.tensor([150, 199])
+    chosen, ids, values, _ = logprob_tail(logits, tokens, 6, chunk=32)
+    lse = math.log(3 * math.exp(2.0) + math.exp(1.0))
+    assert ids[0, :4].tolist() == [7, 90, 150, 3]
+    torch.testing.assert_close(values[0, :4], torch.tensor([2 - lse] * 3 + [1 - lse]), atol=ATOL, rtol=0)
+    assert values[0, 4:].tolist() == [-math.inf, -math.inf]
+    assert set(ids[0, 4:].tolist()) <= set(range(200)) - {7, 90, 150, 3}
+    assert ids[1].tolist() == list(range(6))
+    assert chosen[1].item() == -math.inf
+    torch.testing.assert_close(chosen[0], torch.tensor(2 - lse), atol=ATOL, rtol=0)
+
+
+def test_no_rows():
+    chosen, ids, values, packed = logprob_tail(torch.zeros(0, 100), torch.zeros(0, dtype=torch.int64), 4, chunk=32)
+    assert chosen.shape == (0,) and ids.shape == values.shape == (0, 4) and packed.shape == (0, 10)
+
+
+def test_default_chunks_keep_the_merge_within_its_candidates():
+    assert chunk_width(32000, 20) == 1024
+    assert chunk_width(128256, 20) == 2048
+    assert chunk_width(128256, 0) == 1024
+    for vocab in (1000, 32000, 128256, 151936):
+        chunk = chunk_width(vocab, 20)
+        assert -(-vocab // chunk) * 20 <= 2048 and chunk >= 20
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x, t: logprob_tail(x, t, 101), "width must be in"),
+    (lambda x, t: logprob_tail(x.t(), t, 4), "contiguous columns"),
+    (lambda x, t: logprob_tail(x.long(), t, 4), "floating"),
+    (lambda x, t: logprob_tail(x, t[:2], 4), "tokens must be"),
+    (lambda x, t: logprob_tail(x, t.float(), 4), "tokens must be"),
+    (lambda x, t: logprob_tail(x, t, 20, chunk=16), "chunk must be a power of two >= width"),
+    (lambda x, t: logprob_tail(x, t, 4, chunk=48), "chunk must be a power of two"),
+])
+def test_bad_inputs_are_named(call, message):
+    logits, tokens = _inputs(3, 100, seed=5)
+    with pytest.raises(ValueError, match=message):
+        call(logits, tokens)
