@@ -40,11 +40,12 @@ def _assert_matches_torch(got, logits, tokens, width):
 
 
 @pytest.mark.parametrize("rows,vocab,width,chunk", [
-    (3, 1000, 20, 64),  # 16 chunks, the last partial: 320 candidates
-    (2, 300, 5, 32),
+    (3, 1000, 20, 64),  # 16 chunks (fewer than the width: all searched), the last partial
+    (2, 3000, 5, 32),  # 94 chunks, the 5 with the largest maxima searched
     (4, 257, 0, 64),  # no alternatives: only the log-sum-exp and the chosen token
     (1, 20, 20, 32),  # width = vocabulary, one partial chunk
-    (2, 64, 1, 64),  # one full chunk, one candidate
+    (2, 4096, 1, 4),  # 1024 chunks (the most a row has), one candidate
+    (2, 64, 1, 64),  # one full chunk
 ])
 def test_equals_the_torch_path(rows, vocab, width, chunk):
     logits, tokens = _inputs(rows, vocab, seed=rows * vocab + width)
@@ -75,18 +76,40 @@ def test_ties_come_lower_id_first_and_minus_inf_last():
     torch.testing.assert_close(chosen[0], torch.tensor(2 - lse), atol=ATOL, rtol=0)
 
 
+def test_a_flat_row_gives_the_lowest_ids():
+    chosen, ids, values, _ = logprob_tail(torch.zeros(1, 1000), torch.tensor([999]), 20, chunk=32)
+    assert ids[0].tolist() == list(range(20))
+    torch.testing.assert_close(values[0], torch.full((20,), -math.log(1000)), atol=ATOL, rtol=0)
+    torch.testing.assert_close(chosen[0], torch.tensor(-math.log(1000)), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_heavy_ties_keep_the_values_and_distinct_ids(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 4, (3, 700), generator=g).float()  # four distinct values: ties everywhere
+    tokens = torch.randint(0, 700, (3,), generator=g)
+    chosen, ids, values, _ = logprob_tail(logits, tokens, 20, chunk=16)
+    ref_chosen, _, ref_values = torch_logprobs_of(logits, tokens, 20)
+    torch.testing.assert_close(values, ref_values, atol=ATOL, rtol=0)
+    torch.testing.assert_close(chosen, ref_chosen, atol=ATOL, rtol=0)
+    assert torch.equal(logits.log_softmax(-1).gather(1, ids), ref_values)
+    assert all(len(set(r)) == 20 for r in ids.tolist())
+    for r, row in enumerate(ids.tolist()):  # ties come lower id first within each value
+        for a, b in zip(row, row[1:]):
+            assert logits[r, a] > logits[r, b] or a < b
+
+
 def test_no_rows():
     chosen, ids, values, packed = logprob_tail(torch.zeros(0, 100), torch.zeros(0, dtype=torch.int64), 4, chunk=32)
     assert chosen.shape == (0,) and ids.shape == values.shape == (0, 4) and packed.shape == (0, 10)
 
 
-def test_default_chunks_keep_the_merge_within_its_candidates():
-    assert chunk_width(32000, 20) == 1024
-    assert chunk_width(128256, 20) == 2048
-    assert chunk_width(128256, 0) == 1024
-    for vocab in (1000, 32000, 128256, 151936):
-        chunk = chunk_width(vocab, 20)
-        assert -(-vocab // chunk) * 20 <= 2048 and chunk >= 20
+def test_default_chunks_cut_a_row_into_at_most_1024():
+    assert chunk_width(32000) == 32
+    assert chunk_width(128256) == 128
+    for vocab in (20, 1000, 32000, 32768, 128256, 151936):
+        chunk = chunk_width(vocab)
+        assert -(-vocab // chunk) <= 1024 and (chunk == 32 or -(-vocab // (chunk // 2)) > 1024)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -95,8 +118,9 @@ def test_default_chunks_keep_the_merge_within_its_candidates():
     (lambda x, t: logprob_tail(x.long(), t, 4), "floating"),
     (lambda x, t: logprob_tail(x, t[:2], 4), "tokens must be"),
     (lambda x, t: logprob_tail(x, t.float(), 4), "tokens must be"),
-    (lambda x, t: logprob_tail(x, t, 20, chunk=16), "chunk must be a power of two >= width"),
+    (lambda x, t: logprob_tail(x, t, 65), "width must be in"),
     (lambda x, t: logprob_tail(x, t, 4, chunk=48), "chunk must be a power of two"),
+    (lambda x, t: logprob_tail(torch.zeros(3, 5000), t, 4, chunk=4), "at most 1024 chunks"),
 ])
 def test_bad_inputs_are_named(call, message):
     logits, tokens = _inputs(3, 100, seed=5)

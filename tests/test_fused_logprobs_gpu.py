@@ -1,6 +1,6 @@
 """worker.sampling.fused_logprobs compiled on the GPU: equal to the torch path at real vocabularies
 (32k, 128k), small ones, widths 0, 1 and 20, float32 and bf16 logits, strided rows; and replayed
-from a CUDA graph over static buffers, equal to a direct call."""
+from a CUDA graph over static buffers, equal to a direct call; heavy ties keep the values."""
 
 from __future__ import annotations
 
@@ -73,3 +73,17 @@ def test_a_graph_replay_equals_a_direct_call(width):
         for replayed, want in zip(outputs, direct):
             assert (replayed is None and want is None) or torch.equal(replayed, want)
     graph.reset()
+
+
+def test_heavy_ties_keep_the_values_and_distinct_ids():
+    g = torch.Generator(device=CUDA).manual_seed(7)
+    logits = torch.randint(0, 4, (64, 32000), device=CUDA, generator=g).float()
+    logits[0] = 0.0  # a flat row: the lowest ids
+    tokens = torch.randint(0, 32000, (64,), device=CUDA, generator=g)
+    chosen, ids, values, _ = logprob_tail(logits, tokens, MAX_TOP_LOGPROBS)
+    ref_chosen, _, ref_values = torch_logprobs_of(logits, tokens, MAX_TOP_LOGPROBS)
+    torch.testing.assert_close(values, ref_values, atol=ATOL, rtol=0)
+    torch.testing.assert_close(chosen, ref_chosen, atol=ATOL, rtol=0)
+    assert torch.equal(logits.log_softmax(-1).gather(1, ids), ref_values)
+    assert all(len(set(r)) == MAX_TOP_LOGPROBS for r in ids.tolist())
+    assert ids[0].tolist() == list(range(MAX_TOP_LOGPROBS))
