@@ -39,7 +39,7 @@ def step_seconds(engine: Engine, batch: int, context: int, repeats: int, fields:
     """Median wall seconds of an engine decode step with ``batch`` requests sampling with ``fields``."""
     def came_back(req) -> None:
         want = fields.get("top_logprobs", 0)
-        assert req.logprobs and (not want or len(req.logprobs[-1][1]) == want), "no log-probabilities came back"
+        assert req.logprobs and (not want or len(req.logprobs[-1][1]) == 4 * want), "no log-probabilities came back"
 
     inspect = came_back if fields.get("logprobs") else None
     return statistics.median(decode_step_times(engine, batch, context, repeats, g, inspect, **fields))

@@ -20,6 +20,7 @@ from deploy.api_metrics import ApiMetrics
 from deploy.errors import ApiError, generation_failed, server_aborted
 from deploy.stream_pacing import StreamPacer
 from worker.outputs import merge_events
+from worker.sampling.packed_rows import alternatives
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _entry(entry) -> tuple[float | None, zip | tuple]:
     """(logprob, (token id, logprob) pairs of the alternatives) of one token's entry in an event's
     ``logprobs``: a bare log-probability, or ``(logprob, ids, logprobs)`` with alternatives."""
     if isinstance(entry, tuple):
-        return entry[0], zip(entry[1], entry[2])
+        return entry[0], zip(*alternatives(entry[1], entry[2]))
     return entry, ()
 
 

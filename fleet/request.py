@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from worker.outputs import FailureKind, RequestEvent, RequestOutput
+from worker.sampling.packed_rows import spelled_entries
 from worker.sampling.params import SamplingParams
 
 
@@ -232,7 +233,7 @@ class FleetRequest:
             event = RequestEvent(self.request_id, [], "", True, reason, None, error, failure)
         self.deliver(event)
         out = RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids), self.text, reason,
-                            list(self.logprobs) if self.params.logprobs else None, self.moves, error, failure,
-                            event.stop_reason, self.prompt_logprobs, self.cached_tokens or 0)
+                            spelled_entries(self.logprobs) if self.params.logprobs else None, self.moves, error,
+                            failure, event.stop_reason, self.prompt_logprobs, self.cached_tokens or 0)
         self.sink.put(out)
         return out

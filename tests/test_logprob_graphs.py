@@ -14,7 +14,14 @@ from worker.readback import sample_lists
 from worker.sampling import SamplingParams
 from worker.sampling.logprob_graphs import LogprobGraphs, logprob_tail
 from worker.sampling.logprobs import logprobs_of
-from worker.sampling.packed_rows import PACKED_COLUMNS, pack, unpack_lists
+from worker.sampling.packed_rows import (
+    PACKED_COLUMNS,
+    alternatives,
+    first_alternatives,
+    pack,
+    spelled_entries,
+    unpack_lists,
+)
 from worker.sampling.params import MAX_TOP_LOGPROBS
 from worker.sampling.sampler import SamplingBatch, sample
 
@@ -211,8 +218,13 @@ def test_sample_with_graphs_equals_sample_without(params):
     for a, b in zip(want[:4], got[:4]):
         assert (a is None and b is None) or torch.equal(a, b)
     assert sample_lists(got) == sample_lists(want)
-    assert sample_lists(want) == (want.token_ids.tolist(), want.logprobs.tolist(),
-                                  None if want.top_ids is None else (want.top_ids.tolist(), want.top_logprobs.tolist()))
+    tokens, lps, tops = sample_lists(want)
+    assert (tokens, lps) == (want.token_ids.tolist(), want.logprobs.tolist())
+    if want.top_ids is None:
+        assert tops is None
+    else:  # rows of bytes, spelled as the lists of the tensors
+        assert [alternatives(i, v) for i, v in zip(*tops)] == \
+            list(zip(want.top_ids.tolist(), want.top_logprobs.tolist()))
 
 
 @pytest.mark.parametrize("width", [0, 1, MAX_TOP_LOGPROBS])
@@ -235,8 +247,15 @@ def test_packed_rows_read_back_exactly_the_lists_of_the_tensors(width):
     if not width:
         assert tops is None
     else:
-        assert tops == (ids.tolist(), values.tolist())
-        assert all(type(i) is int for i in tops[0][0]) and all(type(v) is float for v in tops[1][0])
+        assert all(type(r) is bytes and len(r) == 4 * width for r in tops[0] + tops[1])
+        spelled = [alternatives(i, v) for i, v in zip(*tops)]
+        assert spelled == list(zip(ids.tolist(), values.tolist()))
+        assert all(type(i) is int for i in spelled[0][0]) and all(type(v) is float for v in spelled[0][1])
+        assert alternatives(*first_alternatives(tops[0][4], tops[1][4], 1)) == ([ids[4, 0].item()],
+                                                                                 [values[4, 0].item()])
+        assert first_alternatives(tops[0][4], tops[1][4], width) == (tops[0][4], tops[1][4])
+        entries = [0.5, (-1.0, tops[0][2], tops[1][2]), (-2.0, [7], [-3.0])]
+        assert spelled_entries(entries) == [0.5, (-1.0, *spelled[2]), (-2.0, [7], [-3.0])]
 
 
 def test_logprob_tail_is_logprobs_of_with_its_packed_rows():

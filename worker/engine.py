@@ -33,6 +33,7 @@ from worker.page_table import PageTable
 from worker.prefix_cache import PrefixCachePool
 from worker.prefix_cache_metrics import PrefixCacheMetrics
 from worker.request import Request, RequestRejected, Status
+from worker.sampling.packed_rows import spelled_entries
 from worker.sampling.params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerLimits
 from worker.step_pipeline import StepPipeline
@@ -303,7 +304,7 @@ class Engine:
         req = self.requests[request_id]
         return RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids),
                              self.output_processor.text(request_id), req.finish_reason,
-                             list(req.logprobs) if req.params.logprobs else None, req.num_preemptions,
+                             spelled_entries(req.logprobs) if req.params.logprobs else None, req.num_preemptions,
                              stop_reason=req.stop_reason, cached_tokens=req.cached_tokens or 0,
                              prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None
                              else None)

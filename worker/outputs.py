@@ -54,8 +54,10 @@ class RequestEvent:
     finish_reason: str | None = None
     #: one entry per token when the request asked for log-probabilities: the token's log-probability,
     #: or with ``top_logprobs`` > 0 ``(logprob, ids, logprobs)``: its alternatives' token ids and
-    #: log-probabilities, most likely first (:class:`worker.sampling.params.SamplingParams`)
-    logprobs: list[float | tuple[float, list[int], list[float]]] | None = None
+    #: log-probabilities, most likely first (:class:`worker.sampling.params.SamplingParams`), as
+    #: int32 and float32 ``bytes`` here (:func:`worker.sampling.packed_rows.alternatives` spells
+    #: them; a :class:`RequestOutput` holds them spelled)
+    logprobs: list[float | tuple[float, bytes, bytes]] | None = None
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)
     #: on the event of a request's first output token: (seconds it waited in the engine's queue,
@@ -137,7 +139,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    logprobs: list[float | tuple[float, list[int], list[float]]] | None  # as RequestEvent's
+    logprobs: list[float | tuple[float, list[int], list[float]]] | None  # as RequestEvent's, spelled as lists
     num_preemptions: int
     error: str | None = None  # why, when finish_reason is "error" (set by the fleet)
     failure: FailureKind | None = None  # the kind of that error (set by the fleet)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from worker.sampling.packed_rows import PACKED_COLUMNS, unpack_lists
+from worker.sampling.packed_rows import PACKED_COLUMNS, row_bytes, unpack_lists
 from worker.sampling.params import MAX_TOP_LOGPROBS
 
 #: How much earlier than a step is expected to finish its read-back stops sleeping and starts spinning.
@@ -130,18 +131,18 @@ class TokenReadback:
         return tokens, logprobs, tops, prompt_lists(copy.prompt), end - begin, cpu_end - cpu
 
 
-def sample_lists(out) -> tuple[list[int], list[float] | None, tuple[list[list[int]], list[list[float]]] | None]:
+def sample_lists(out) -> tuple[list[int], list[float] | None, tuple[list[bytes], list[bytes]] | None]:
     """(token ids, log-probabilities or None, ``(ids rows, log-probability rows)`` or None) of a
     :class:`worker.sampling.sampler.SampleOutput` or :class:`HostCopy`: from its packed rows when it
     has them, else from its tensors (host ones; a device tensor is read here, a host sync).
 
-    Through numpy's ``tolist``, which gives the same Python ints and floats as torch's. Building
-    those objects is most of the cost either way (64 x 20 ids and log-probabilities: ~35 us on the
-    development CPU, torch's and numpy's alike); packing saves device-to-host copies, not this."""
+    The alternatives' rows are ``bytes`` either way (:mod:`worker.sampling.packed_rows`: building
+    64 x 20 Python ids and log-probabilities a step costs far more than slicing a row's bytes)."""
     if out.packed is not None:
         return unpack_lists(_numpy(out.packed))
     logprobs = _numpy(out.logprobs).tolist() if out.logprobs is not None else None
-    tops = None if out.top_ids is None else (_numpy(out.top_ids).tolist(), _numpy(out.top_logprobs).tolist())
+    tops = None if out.top_ids is None else (row_bytes(_numpy(out.top_ids).astype(np.int32)),
+                                             row_bytes(_numpy(out.top_logprobs)))
     return _numpy(out.token_ids).tolist(), logprobs, tops
 
 

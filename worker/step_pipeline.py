@@ -45,6 +45,7 @@ from worker.executor import Executor, ExecutorFailed, ExecutorUnavailable, Pendi
 from worker.kv_cache import PageAllocator
 from worker.outputs import RequestEvent, StepStats
 from worker.request import Request
+from worker.sampling.packed_rows import first_alternatives
 from worker.scheduler import ScheduledBatch, Scheduler
 from worker.step_message import build_step_message
 
@@ -184,9 +185,8 @@ class StepPipeline:
                 continue  # ended or restarted after this step was sent: the token is not its
             req.num_pending -= 1
             k = req.params.top_logprobs
-            if k and tops is not None:  # the rows are this step's own lists: kept whole when all are asked for
-                ids, values = tops[0][row], tops[1][row]
-                lp = (lp, ids, values) if k == len(ids) else (lp, ids[:k], values[:k])
+            if k and tops is not None:  # the rows' bytes (packed_rows), kept whole when all are asked for
+                lp = (lp, *first_alternatives(tops[0][row], tops[1][row], k))
             landed.append((req, token, lp))
         if step.scored and result.prompt_logprobs is not None:
             _land_prompt_logprobs(step.scored, result.prompt_logprobs)
