@@ -11,6 +11,7 @@ import torch
 from worker.readback import TokenReadback
 from worker.sampling.logprob_graphs import LogprobGraphs
 from worker.sampling.logprobs import logprobs_of
+from worker.sampling.packed_rows import alternatives
 from worker.sampling.params import MAX_TOP_LOGPROBS
 from worker.sampling.sampler import SampleOutput
 
@@ -96,9 +97,10 @@ def test_a_steps_outputs_read_back_intact_behind_the_next_steps_replay():
         chosen, ids, values = logprobs_of(logits, tokens, MAX_TOP_LOGPROBS)
         assert got_tokens == tokens.tolist()
         assert got_lps == chosen.tolist()
-        assert tops[1] == values.tolist()
-        got_ids = torch.tensor(tops[0], device=CUDA)
-        assert tops[0] == ids.tolist() or logits.log_softmax(-1).gather(1, got_ids).equal(values)
+        top_ids, top_values = zip(*(alternatives(i, v) for i, v in zip(*tops)))  # rows of bytes, spelled
+        assert list(top_values) == values.tolist()
+        got_ids = torch.tensor(top_ids, device=CUDA)
+        assert list(top_ids) == ids.tolist() or logits.log_softmax(-1).gather(1, got_ids).equal(values)
     graphs.release()
 
 
