@@ -140,8 +140,8 @@ class LogprobGraphs:
         return sorted(k for k, g in self._graphs.items() if g is not None)
 
     def __call__(self, unbiased: torch.Tensor, tokens: torch.Tensor, width: int) -> Tail:
-        """``logprob_tail`` of ``unbiased`` (B, V) logits of any float dtype (upcast to float32 as
-        ``logprobs_of``'s callers do) at ``tokens`` (B,): replayed, or eager (packed rows None).
+        """``logprob_tail`` of ``unbiased`` (B, V) logits of any float dtype (upcast to float32 as they
+        are copied in, or by ``logprobs_of``) at ``tokens`` (B,): replayed, or eager (packed rows None).
 
         Only enqueues device work. Replayed outputs are views of static buffers that the next call
         of the shape overwrites (see the module docstring)."""
@@ -205,4 +205,4 @@ class LogprobGraphs:
 
 
 def _eager(unbiased: torch.Tensor, tokens: torch.Tensor, width: int) -> Tail:
-    return (*logprobs_of(unbiased.to(torch.float32), tokens, width), None)
+    return (*logprobs_of(unbiased, tokens, width), None)

@@ -17,15 +17,16 @@ __all__ = ["TOP_K_CHUNK", "fused_tail", "logprobs_of", "top_k_rows", "torch_logp
 
 def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(log-probabilities of ``tokens`` (B,) under float32 logits ``unbiased`` (B, V), and the
-    ``width`` most likely tokens' ids and log-probabilities, None when ``width`` is 0).
+    """(float32 log-probabilities of ``tokens`` (B,) under logits ``unbiased`` (B, V) of any float
+    dtype, and the ``width`` most likely tokens' ids and log-probabilities, None when ``width`` is 0).
 
     CUDA tensors (where Triton is present) take the fused kernels of
-    :mod:`worker.sampling.fused_logprobs`; others :func:`torch_logprobs_of`."""
+    :mod:`worker.sampling.fused_logprobs`, which read any float dtype and compute in float32; others
+    :func:`torch_logprobs_of` of the logits upcast to float32 (a copy only when they are not)."""
     fused = fused_tail() if unbiased.is_cuda else None
     if fused is not None:
         return fused(unbiased, tokens, min(width, unbiased.shape[-1]))[:3]
-    return torch_logprobs_of(unbiased, tokens, width)
+    return torch_logprobs_of(unbiased.to(torch.float32), tokens, width)
 
 
 @functools.cache

@@ -49,9 +49,9 @@ def unpack_lists(packed: np.ndarray,
 
 
 def row_bytes(block: np.ndarray) -> list[bytes]:
-    """Each row of a (B, W) int32 or float32 array as one ``bytes`` (one copy of the block, then a
-    slice per row)."""
-    data = np.ascontiguousarray(block).tobytes()
+    """Each row of a (B, W) int32 or float32 array (any strides) as one ``bytes`` (one copy of the
+    block in row order, then a slice per row)."""
+    data = block.tobytes()
     step = block.shape[1] * 4
     return [data[i:i + step] for i in range(0, len(data), step)]
 

@@ -375,6 +375,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, logprob_graphs: Logpro
     width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
     unbiased = logits if processed else raw  # never the biased or penalized copy
     if logprob_graphs is None:
-        return SampleOutput(tokens, *logprobs_of(unbiased.to(torch.float32), tokens, width))
+        return SampleOutput(tokens, *logprobs_of(unbiased, tokens, width))
     chosen, ids, values, packed = logprob_graphs(unbiased, tokens, width)  # it upcasts as it copies
     return SampleOutput(tokens, chosen, ids, values, packed=packed)
