@@ -6,7 +6,9 @@ One engine per preset (decode graphs on, the default config otherwise); for each
 of ``--context`` prompt tokens are prefilled and whole engine steps (schedule, plan, replay,
 sample, read back, detokenize) are timed with the batch's rows asking for nothing, for logprobs,
 for logprobs with top_logprobs=20 and for the three penalties, in ``--rounds`` interleaved rounds (the variants see the
-same machine state); each variant's step is the median over its rounds. First, the tail alone:
+same machine state); each variant's step is the median over its rounds. The engine's startup heap
+is frozen for the garbage collector first, as a serving rank actor's is (``--no-freeze-gc``: not).
+First, the tail alone:
 the fused log-probability kernels against the torch ops they replace, as graph replays at the
 preset's vocabulary. Usage (GPU machine):
 ``python bench/logprobs.py [--presets ...] [--batches ...]``.
@@ -28,6 +30,7 @@ from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import decode_step_times, ensure_checkpoint  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker.gc_heap import freeze_startup_heap  # noqa: E402
 from worker.sampling.params import MAX_TOP_LOGPROBS  # noqa: E402
 
 VARIANTS = {"none": {}, "logprobs": {"logprobs": True},
@@ -92,12 +95,15 @@ def tail_rows(preset: str, vocab: int, batches: list[int]) -> list[dict]:
     return rows
 
 
-def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rounds: int) -> list[dict]:
+def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rounds: int,
+                 freeze_gc: bool = True) -> list[dict]:
     max_b = max(batches)
     pages = max_b * (-(-(context + (rounds * len(VARIANTS) + 1) * (repeats + 8)) // 16)) + 64
     engine = Engine(load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"cache.num_pages={pages}",
                                        f"scheduler.max_running_requests={max_b}",
                                        f"graphs.decode.max_batch_size={max(256, max_b)}"]))
+    if freeze_gc:  # as a rank actor does once it has captured (worker/gc_heap.py)
+        freeze_startup_heap("bench engine")
     g = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
@@ -111,7 +117,9 @@ def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rou
                      "logprobs_over_none": step["logprobs"] / step["none"],
                      "top20_over_none": step["top20"] / step["none"],
                      "penalties_over_none": step["penalties"] / step["none"],
-                     "top20_over_none_per_round": [t / n for t, n in zip(seconds["top20"], seconds["none"])]})
+                     "top20_over_none_per_round": [t / n for t, n in zip(seconds["top20"], seconds["none"])],
+                     "top20_over_none_median_of_rounds": statistics.median(
+                         t / n for t, n in zip(seconds["top20"], seconds["none"]))})
     del engine
     torch.cuda.empty_cache()
     return rows
@@ -125,6 +133,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--no-freeze-gc", action="store_true",
+                    help="leave the engine's startup heap to the garbage collector (a serving rank freezes it)")
     args = ap.parse_args()
     rows, tails = [], []
     batches = [int(b) for b in args.batches.split(",")]
@@ -132,7 +142,7 @@ def main() -> None:
         path = ensure_checkpoint(preset, Path(args.checkpoints))
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         tails += tail_rows(preset, vocab, batches)
-        rows += bench_preset(path, batches, args.context, args.repeats, args.rounds)
+        rows += bench_preset(path, batches, args.context, args.repeats, args.rounds, not args.no_freeze_gc)
     print("The tail alone (graph replays, device us):")
     print_table(tails, ["preset", "vocab", "batch", "width", "fused_us", "torch_us", "fused_over_torch"])
     print("Engine decode steps:")

@@ -124,3 +124,36 @@ def test_a_call_inside_another_capture_is_recorded_eagerly_into_it():
     torch.cuda.synchronize()
     _assert_equals_eager(got, fresh, fresh_tokens, MAX_TOP_LOGPROBS)
     outer.reset()
+
+
+def test_greedy_sampling_writes_its_tokens_into_the_static_rows_and_replays_without_a_copy():
+    """A greedy batch whose logits are the static input's own rows: ``sample`` takes the argmax
+    into the graphs' static token rows (``token_rows``), the call copies neither logits nor
+    tokens, and its outputs equal eager ``logprobs_of``; other logits, or a sampled batch, still
+    get a fresh token tensor."""
+    from worker.sampling.params import SamplingParams
+    from worker.sampling.sampler import SamplingBatch, sample
+
+    vocab = 32000
+    static = torch.zeros(64, vocab, device=CUDA)
+    graphs = LogprobGraphs(static)
+    for rows, width in ((64, MAX_TOP_LOGPROBS), (13, MAX_TOP_LOGPROBS), (13, 0), (40, MAX_TOP_LOGPROBS)):
+        logits, _ = _inputs(rows, vocab, rows + width)
+        static[:rows].copy_(logits)
+        p = SamplingParams(temperature=0, logprobs=True, top_logprobs=width)
+        batch = SamplingBatch.build([p] * rows, [0] * rows, [0] * rows, CUDA, vocab_size=vocab)
+        out = sample(static[:rows], batch, logprob_graphs=graphs)
+        expected_tokens = logits.argmax(-1)
+        assert out.token_ids.data_ptr() == graphs.token_rows(static[:rows], width).data_ptr()
+        assert torch.equal(out.token_ids, expected_tokens)
+        _assert_equals_eager((out.logprobs, out.top_ids, out.top_logprobs, out.packed), logits, expected_tokens,
+                             width)
+    other, _ = _inputs(8, vocab, 7)  # not the static rows: no static token rows, still replayed
+    assert graphs.token_rows(other, MAX_TOP_LOGPROBS) is None
+    p = SamplingParams(temperature=0, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS)
+    out = sample(other, SamplingBatch.build([p] * 8, [0] * 8, [0] * 8, CUDA, vocab_size=vocab), logprob_graphs=graphs)
+    assert out.token_ids.data_ptr() != graphs.token_rows(static[:8], MAX_TOP_LOGPROBS).data_ptr()
+    assert out.packed is not None
+    _assert_equals_eager((out.logprobs, out.top_ids, out.top_logprobs, out.packed), other, other.argmax(-1),
+                         MAX_TOP_LOGPROBS)
+    graphs.release()

@@ -45,7 +45,7 @@ from worker.executor import Executor, ExecutorFailed, ExecutorUnavailable, Pendi
 from worker.kv_cache import PageAllocator
 from worker.outputs import RequestEvent, StepStats
 from worker.request import Request
-from worker.sampling.packed_rows import first_alternatives
+from worker.sampling.packed_rows import first_alternatives, row_width
 from worker.scheduler import ScheduledBatch, Scheduler
 from worker.step_message import build_step_message
 
@@ -180,13 +180,18 @@ class StepPipeline:
         landed = []
         logprobs = result.logprobs if result.logprobs is not None else [None] * len(result.token_ids)
         tops = result.top_logprobs
+        # every row's (logprob, ids, logprobs) entry built in one pass (the rows' bytes, packed_rows),
+        # kept whole for a row that asked for all of them
+        entries = list(zip(logprobs, *tops)) if tops is not None else None
+        width = row_width(tops[0]) if tops is not None else 0
         for row, ((req, preemptions), token, lp) in enumerate(zip(step.sampled, result.token_ids, logprobs)):
             if req.finished or req.num_preemptions != preemptions:
                 continue  # ended or restarted after this step was sent: the token is not its
             req.num_pending -= 1
             k = req.params.top_logprobs
-            if k and tops is not None:  # the rows' bytes (packed_rows), kept whole when all are asked for
-                lp = (lp, *first_alternatives(tops[0][row], tops[1][row], k))
+            if k and entries is not None:
+                entry = entries[row]
+                lp = entry if k == width else (lp, *first_alternatives(entry[1], entry[2], k))
             landed.append((req, token, lp))
         if step.scored and result.prompt_logprobs is not None:
             _land_prompt_logprobs(step.scored, result.prompt_logprobs)

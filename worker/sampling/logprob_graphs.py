@@ -5,8 +5,9 @@ read-back's rows as it goes) and about 15 torch ops elsewhere; launched one by o
 step (tinyllama at batch 64 on the H200, ~30 us of host per torch op) even a few launches cost
 more than the device time they add (issue 19). :class:`LogprobGraphs` captures the tail, with the packing of
 the read-back's rows (:func:`worker.sampling.packed_rows.pack`), over a static input, and serves a
-call with one copy of the tokens, one replay, and a copy of the logits only when they are not
-already in the static input.
+call with one replay, a copy of the logits only when they are not already in the static input,
+and a copy of the tokens only when the sampler did not write them into the static token rows
+(:meth:`LogprobGraphs.token_rows`: greedy batches over the static input do, with ``argmax(out=)``).
 
 Shapes. The sampler sees the live batch (the decode runner returns rows ``[0, n)`` of its static
 output), any size from 1 to the static input's R rows. A call of n rows replays the graph of the
@@ -156,10 +157,28 @@ class LogprobGraphs:
         if (unbiased.data_ptr() != self._ptr or unbiased.dtype != torch.float32
                 or unbiased.stride() != self._stride):  # not the static input's own rows [0, n)
             served.logits.copy_(unbiased)
-        served.tokens.copy_(tokens)
+        if tokens.data_ptr() != served.tokens.data_ptr() or tokens.shape != served.tokens.shape:
+            served.tokens.copy_(tokens)
         served.graph.replay()
         self.replays += 1
         return served.outputs
+
+    def token_rows(self, unbiased: torch.Tensor, width: int) -> torch.Tensor | None:
+        """The static token rows ``[0, n)`` a call of ``unbiased`` (its ``n`` rows of the static input
+        itself) would read, for the sampler to write its tokens into (``argmax(out=...)``) so the
+        call copies nothing; None when such a call would not replay with no copy of the logits.
+
+        A token tensor given so is a view of a static buffer: the next sampling of the same rows
+        overwrites it, after the step's read-back copy in stream order (the module docstring's
+        static-outputs rule holds for it as for the outputs)."""
+        if (not unbiased.is_cuda or unbiased.data_ptr() != self._ptr or unbiased.dtype != torch.float32
+                or unbiased.stride() != self._stride or torch.cuda.is_current_stream_capturing()):
+            return None
+        key = (*unbiased.shape, width, unbiased.device)
+        served = self._served.get(key, _UNSEEN)
+        if served is _UNSEEN:
+            served = self._serve(key)
+        return None if served is None else served.tokens
 
     def release(self) -> None:
         """Reset every captured graph and forget every shape (later calls capture again)."""

@@ -20,8 +20,8 @@ import torch
 
 from worker.sampling.params import MAX_TOP_LOGPROBS
 
-__all__ = ["PACKED_COLUMNS", "alternatives", "first_alternatives", "pack", "row_bytes", "spelled_entries",
-           "unpack_lists"]
+__all__ = ["PACKED_COLUMNS", "alternatives", "first_alternatives", "pack", "row_bytes", "row_width",
+           "spelled_entries", "unpack_lists"]
 
 #: Columns of the widest packed row (``MAX_TOP_LOGPROBS`` alternatives).
 PACKED_COLUMNS = 2 + 2 * MAX_TOP_LOGPROBS
@@ -54,6 +54,13 @@ def row_bytes(block: np.ndarray) -> list[bytes]:
     data = block.tobytes()
     step = block.shape[1] * 4
     return [data[i:i + step] for i in range(0, len(data), step)]
+
+
+def row_width(rows: list) -> int:
+    """How many alternatives each of a step's rows holds (``bytes`` rows or lists; 0 for no rows)."""
+    if not rows:
+        return 0
+    return len(rows[0]) // 4 if isinstance(rows[0], bytes) else len(rows[0])
 
 
 def first_alternatives(ids: bytes | list, values: bytes | list, k: int) -> tuple:

@@ -353,8 +353,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, logprob_graphs: Logpro
             apply_penalties_(raw, batch.penalties)
     else:
         raw = logits if batch.all_greedy and not batch.want_logprobs else logits.to(torch.float32)
+    width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
     if batch.all_greedy:
-        tokens = raw.argmax(dim=-1)  # upcasting is exact, so any float dtype gives the same argmax
+        # upcasting is exact, so any float dtype gives the same argmax; written straight into the
+        # log-probability graph's static token rows when it has them (one copy less per step)
+        rows = logprob_graphs.token_rows(raw, width) if logprob_graphs is not None and batch.want_logprobs \
+            and not processed else None
+        tokens = raw.argmax(dim=-1) if rows is None else torch.argmax(raw, dim=-1, out=rows)
     else:
         keys = _row_keys(batch.seeds, batch.steps)
         s = raw / batch.temperature[:, None]
@@ -372,7 +377,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, logprob_graphs: Logpro
             tokens = torch.where(batch.greedy_mask, raw.argmax(dim=-1), tokens)
     if not batch.want_logprobs:
         return SampleOutput(tokens, None)
-    width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
     unbiased = logits if processed else raw  # never the biased or penalized copy
     if logprob_graphs is None:
         return SampleOutput(tokens, *logprobs_of(unbiased, tokens, width))
