@@ -19,7 +19,8 @@
    compared with the no-prefill-graph row of the same decode mode (``vs_same_decode``).
    Each configuration runs in a fresh process (peaks are per process). ``outside_GiB`` is what
    stays held outside the graph pool; ``--explain`` adds the largest live allocations outside
-   the pool by the line that made them (CUDA memory history: slower).
+   the pool, and those live inside it (graph outputs, boundary buffers, workspaces: what a replay
+   keeps beside its scratch), by the line that made them (CUDA memory history: slower).
 """
 
 from __future__ import annotations
@@ -49,17 +50,27 @@ def _site(frames: list[dict]) -> str:
         if frames else "?"
 
 
-def outside_pool_sites(pool: tuple | None, top: int = 8) -> list[tuple[str, int]]:
-    """Live allocations outside ``pool`` (bytes), grouped by allocation site, largest first."""
+def pool_sites(pool: tuple | None, inside: bool, top: int = 8) -> list[tuple[str, int]]:
+    """Live allocations (bytes) outside ``pool`` (``inside``: in it), grouped by allocation site,
+    largest first; a block of exactly 32 MiB is marked as a likely cuBLAS workspace (torch 2.11
+    makes one per (thread, stream) at the stream's first GEMM, from the caching allocator)."""
     sites: dict[str, int] = {}
     for seg in torch.cuda.memory._snapshot()["segments"]:
-        if pool is not None and tuple(seg.get("segment_pool_id", ())) == tuple(pool):
+        in_pool = pool is not None and tuple(seg.get("segment_pool_id", ())) == tuple(pool)
+        if in_pool != inside:
             continue
         for block in seg["blocks"]:
             if block["state"] == "active_allocated":
                 key = _site(block.get("frames", []))
+                if block["size"] == 32 * 2**20:
+                    key += " [32 MiB: cuBLAS workspace?]"
                 sites[key] = sites.get(key, 0) + block["size"]
     return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+
+
+def outside_pool_sites(pool: tuple | None, top: int = 8) -> list[tuple[str, int]]:
+    """Live allocations outside ``pool`` (bytes), grouped by allocation site, largest first."""
+    return pool_sites(pool, False, top)
 
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
@@ -150,9 +161,10 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     held = torch.cuda.memory_reserved() - base
     in_pool = pool_bytes(pool)
     sites = [{"site": k, "MiB": v / 2**20} for k, v in outside_pool_sites(pool)] if explain else None
+    pool_live = [{"site": k, "MiB": v / 2**20} for k, v in pool_sites(pool, True)] if explain else None
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
-            "outside_bytes": held - in_pool, "outside_sites": sites,
+            "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -228,9 +240,10 @@ def main() -> None:
                        "capture_s", "peak_GiB", "held_GiB", "pool_GiB", "outside_GiB", "vs_no_graph",
                        "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
     for r in rows:
-        for site in r.get("outside_sites") or []:
-            print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} outside the pool "
-                  f"{site['MiB']:8.1f} MiB  {site['site']}")
+        for where, key in (("outside the pool", "outside_sites"), ("live in the pool", "pool_live_sites")):
+            for site in r.get(key) or []:
+                print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {where} "
+                      f"{site['MiB']:8.1f} MiB  {site['site']}")
     print(f"wrote {write_results('capture', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 
 

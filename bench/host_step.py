@@ -6,9 +6,12 @@ runs the real engine (CPU: the torch attention backend; GPU: flashinfer, graphs 
 with ``--batch`` requests of ``--context`` prompt tokens that have already made ``--warm-tokens``
 tokens each (long outputs, as a long generation has), and times each host piece of the step with a
 wrapper on it: scheduling, the step message, the step's inputs, attention planning, sampling
-parameters, and the output processor (appending tokens, detokenizing, stop decisions). The rest
-of the step (the forward, sampling kernels, the read-back) is the step minus the pieces. Read the
-pieces, not the total, on a CPU: there the forward dominates.
+parameters, the output processor (appending tokens, detokenizing, stop decisions), and the
+device-facing pieces' host time: sampling's launches, graph replays (``cudaGraphLaunch`` returns
+once the graph is queued), the read-back's copy and its wait (the step's one sync, so it holds
+whatever device time the host did not cover). The rest of the step is the step minus the pieces.
+Read the pieces, not the total, on a CPU: there the forward dominates. ``--top-logprobs K``: every
+request asks for log-probabilities with K alternatives (issue 19's load).
 
 ``--executor host`` runs the engine over :class:`HostOnlyExecutor` instead, which answers each step
 at once with random tokens (no model, no device): the step is then only the engine's own host work
@@ -35,7 +38,7 @@ import torch  # noqa: E402
 from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from deploy.config import load_config  # noqa: E402
-from worker import step_pipeline  # noqa: E402
+from worker import model_runner, step_pipeline  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling import sampler  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
@@ -113,6 +116,16 @@ def instrument(engine: Engine, timer: PieceTimer, worker: bool) -> None:
         runner.attention.plan = timer.wrap("attention plan", runner.attention.plan)
         build = sampler.SamplingBatch.build
         sampler.SamplingBatch.build = timer.wrap("sampling params", build)
+        # the device-facing pieces (their host time: a launch returns once it is queued)
+        model_runner.sample = timer.wrap("sample (launches)", model_runner.sample)
+        for phase_runner in (runner.decode_runner, runner.prefill_runner):
+            backend = getattr(phase_runner, "backend", None)
+            if backend is not None and not hasattr(backend.replay, "timed_piece"):
+                backend.replay = timer.wrap("graph replay (launch)", backend.replay)
+                backend.replay.timed_piece = True
+        readback = engine.worker._readback
+        readback.copy = timer.wrap("read-back copy", readback.copy)
+        readback.wait = timer.wrap("read-back wait", readback.wait)
 
 
 def main() -> None:
@@ -126,6 +139,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--greedy", action="store_true",
                     help="greedy requests (temperature 0, what bench/serve.py sends) instead of top-p sampling")
+    ap.add_argument("--top-logprobs", type=int, default=None,
+                    help="every request asks for log-probabilities and this many alternatives (0-20)")
     ap.add_argument("--executor", choices=("worker", "host"), default="worker",
                     help="worker: the real forward; host: HostOnlyExecutor (the engine's host work alone)")
     args = ap.parse_args()
@@ -149,6 +164,8 @@ def main() -> None:
     max_tokens = args.warm_tokens + args.steps + 16
     # By default sampled, top-p on (the path a chat request takes); --greedy: the serve benchmarks' path.
     sampling = dict(temperature=0.0) if args.greedy else dict(temperature=0.8, top_p=0.95)
+    if args.top_logprobs is not None:  # issue 19's load: log-probabilities with alternatives on every row
+        sampling.update(logprobs=True, top_logprobs=args.top_logprobs)
     for _ in range(B):
         engine.add_request(torch.randint(10, engine.arch.vocab_size - 10, (ctx,), generator=g).tolist(),
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
@@ -172,7 +189,7 @@ def main() -> None:
     rows.append({"piece": "whole step", "us_per_step": step_s * 1e6, "calls_per_step": 1.0})
     print(f"{args.preset}, batch {running} (asked {B}), context {ctx} + {args.warm_tokens} made, "
           f"{'cuda' if cuda else 'cpu'}, executor {args.executor}, {'greedy' if args.greedy else 'top-p'}, "
-          f"async_scheduling={cfg.scheduler.async_scheduling}")
+          f"async_scheduling={cfg.scheduler.async_scheduling}, top_logprobs={args.top_logprobs}")
     print_table(rows, ["piece", "us_per_step", "calls_per_step"])
     write_results("host_step", {"env": environment(), "args": vars(args), "batch": running, "rows": rows})
 
