@@ -126,3 +126,38 @@ def test_bad_inputs_are_named(call, message):
     logits, tokens = _inputs(3, 100, seed=5)
     with pytest.raises(ValueError, match=message):
         call(logits, tokens)
+
+
+def test_the_probe_passes_the_kernels_and_fails_a_broken_or_wrong_one(caplog):
+    """``probe_fused_tail`` (what a worker runs at start, per device): the kernels pass (here in
+    Triton's interpreter); a kernel that raises (a compile error on some GPU) or answers wrongly
+    fails with a warning naming why, so ``fused_tail`` leaves that device to the torch ops."""
+    from worker.sampling.logprobs import probe_fused_tail
+
+    cpu = torch.device("cpu")
+    assert probe_fused_tail(logprob_tail, cpu)
+
+    def broken(logits, tokens, width):
+        raise RuntimeError("PassManager::run failed")  # what a Triton compile error says
+
+    def shifted(logits, tokens, width):
+        chosen, ids, values = torch_logprobs_of(logits, tokens, width)
+        return chosen + 1e-2, ids, values
+
+    with caplog.at_level("WARNING", logger="worker.sampling.logprobs"):
+        assert not probe_fused_tail(broken, cpu)
+        assert not probe_fused_tail(shifted, cpu)
+    assert "unusable on cpu" in caplog.text and "PassManager::run failed" in caplog.text
+    assert "disagree with the torch ops on cpu" in caplog.text
+
+
+def test_fused_tail_is_none_for_a_device_whose_probe_failed():
+    from worker.sampling import logprobs
+
+    cpu = torch.device("cpu")
+    assert logprobs.fused_tail(cpu) is logprob_tail  # probed here (the interpreter passes)
+    logprobs._probed[cpu] = False
+    try:
+        assert logprobs.fused_tail(cpu) is None
+    finally:
+        logprobs._probed.pop(cpu, None)

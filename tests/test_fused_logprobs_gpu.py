@@ -87,3 +87,11 @@ def test_heavy_ties_keep_the_values_and_distinct_ids():
     assert torch.equal(logits.log_softmax(-1).gather(1, ids), ref_values)
     assert all(len(set(r)) == MAX_TOP_LOGPROBS for r in ids.tolist())
     assert ids[0].tolist() == list(range(MAX_TOP_LOGPROBS))
+
+
+def test_the_kernels_pass_their_probe_on_the_gpu():
+    """What a ModelRunner asks at start: the kernels compile and agree with the torch ops here."""
+    from worker.sampling.logprobs import fused_tail, probe_fused_tail
+
+    assert probe_fused_tail(logprob_tail, torch.device("cuda"))
+    assert fused_tail(torch.device("cuda", torch.cuda.current_device())) is logprob_tail

@@ -14,7 +14,7 @@ from worker.attention.base import AttentionBackend, AttentionBatch
 from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.logprob_graphs import LogprobGraphs
-from worker.sampling.logprobs import logprobs_of
+from worker.sampling.logprobs import fused_tail, logprobs_of
 from worker.sampling.penalties import PenaltyHistory
 from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
 from worker.step_message import StepMessage
@@ -57,6 +57,8 @@ class ModelRunner:
         buffers = getattr(decode_runner, "buffers", None)  # a DecodeGraphRunner's static buffers
         self.logprob_graphs = LogprobGraphs(buffers.logits) \
             if logprob_graphs and buffers is not None and self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            fused_tail(self.device)  # compiles and probes the log-probability kernels now, not mid-step
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
         self._staging = PinnedStaging(self.device)  # the step's ids, positions and rows, in one copy
         self._sampling_staging = PinnedStaging(self.device)

@@ -72,7 +72,7 @@ _UNSEEN = object()
 def logprob_tail(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> Tail:
     """:func:`~worker.sampling.logprobs.logprobs_of` of float32 ``logits`` and its packed rows (on
     CUDA the fused kernels, which pack as they go)."""
-    fused = fused_tail() if logits.is_cuda else None
+    fused = fused_tail(logits.device) if logits.is_cuda else None
     if fused is not None:
         return fused(logits, tokens, width)
     chosen, ids, values = logprobs_of(logits, tokens, width)

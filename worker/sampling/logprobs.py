@@ -8,11 +8,14 @@ elsewhere :func:`torch_logprobs_of`, whose top-k is :func:`top_k_rows`. All only
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
-__all__ = ["TOP_K_CHUNK", "fused_tail", "logprobs_of", "top_k_rows", "torch_logprobs_of"]
+__all__ = ["TOP_K_CHUNK", "fused_tail", "logprobs_of", "probe_fused_tail", "top_k_rows", "torch_logprobs_of"]
+
+log = logging.getLogger(__name__)
 
 
 def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
@@ -23,20 +26,67 @@ def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
     CUDA tensors (where Triton is present) take the fused kernels of
     :mod:`worker.sampling.fused_logprobs`, which read any float dtype and compute in float32; others
     :func:`torch_logprobs_of` of the logits upcast to float32 (a copy only when they are not)."""
-    fused = fused_tail() if unbiased.is_cuda else None
+    fused = fused_tail(unbiased.device) if unbiased.is_cuda else None
     if fused is not None:
         return fused(unbiased, tokens, min(width, unbiased.shape[-1]))[:3]
     return torch_logprobs_of(unbiased.to(torch.float32), tokens, width)
 
 
 @functools.cache
-def fused_tail():
-    """:func:`worker.sampling.fused_logprobs.logprob_tail`, or None where Triton is absent."""
+def _fused_kernels():
     try:
         from worker.sampling.fused_logprobs import logprob_tail
     except ImportError:
         return None
     return logprob_tail
+
+
+_probed: dict[torch.device, bool] = {}  # device -> whether the fused kernels passed their probe there
+
+
+def fused_tail(device: torch.device | str):
+    """:func:`worker.sampling.fused_logprobs.logprob_tail` where it works on ``device``, else None
+    (Triton absent, or the kernels failed their probe there: the torch path then serves).
+
+    The first ask for a device probes the kernels there (:func:`probe_fused_tail`: it compiles
+    them, so a worker asks once at start). An ask while the current stream captures, before any
+    probe, gets None without probing (a probe synchronises); the caller's capture then records the
+    torch path."""
+    kernel = _fused_kernels()
+    if kernel is None:
+        return None
+    device = torch.device(device)
+    ok = _probed.get(device)
+    if ok is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ok = _probed[device] = probe_fused_tail(kernel, device)
+    return kernel if ok else None
+
+
+def probe_fused_tail(kernel, device: torch.device | str) -> bool:
+    """Whether ``kernel`` (a ``logprob_tail``) runs on ``device`` and equals :func:`torch_logprobs_of`
+    on a small random batch (chosen log-probabilities and the top values within 1e-4; ids equal or
+    holding the same values). Any failure (a Triton compile error on this GPU, a launch error) is
+    logged once with its reason and answers False. Synchronises the device: call it outside
+    captures and steps (a worker does at start)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 1000, generator=g) * 4).to(device)
+    tokens = torch.tensor([0, 17, 999], device=device)
+    try:
+        chosen, ids, values = kernel(logits, tokens, 5)[:3]
+        ref_chosen, ref_ids, ref_values = torch_logprobs_of(logits, tokens, 5)
+        logp = logits.log_softmax(-1)
+        same = (torch.allclose(chosen, ref_chosen, atol=1e-4) and torch.allclose(values, ref_values, atol=1e-4)
+                and (torch.equal(ids, ref_ids) or torch.allclose(logp.gather(1, ids.long()), ref_values, atol=1e-4)))
+    except Exception as e:  # noqa: BLE001 - whatever the kernels raise here, the torch path serves instead
+        log.warning("fused log-probability kernels unusable on %s (the torch ops serve instead): %s: %s",
+                    device, type(e).__name__, e)
+        return False
+    if not same:
+        log.warning("fused log-probability kernels disagree with the torch ops on %s (the torch ops serve instead)",
+                    device)
+    return bool(same)
 
 
 def torch_logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
