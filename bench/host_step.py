@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import environment, print_table, write_results  # noqa: E402
@@ -41,7 +42,8 @@ from deploy.config import load_config  # noqa: E402
 from worker import model_runner, step_pipeline  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.sampling import sampler  # noqa: E402
-from worker.sampling.params import SamplingParams  # noqa: E402
+from worker.sampling.packed_rows import unpack_lists  # noqa: E402
+from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams  # noqa: E402
 from worker.step_message import StepMessage, StepResult  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
@@ -59,7 +61,9 @@ class _Answered:
 
 class HostOnlyExecutor:
     """An executor with the worker's geometry that answers every step at once: one uniformly random
-    token per sampled row (printable ids, so the text grows as a model's would).
+    token per sampled row (printable ids, so the text grows as a model's would), and when a row asks
+    for log-probabilities, random ones (with alternatives) unpacked from packed rows as the worker's
+    read-back does.
 
     ``device_s`` > 0 stands in for a device: steps run one after another, each ``device_s`` long from
     when it was submitted or the one before it ended, and reading a result sleeps until then.
@@ -68,6 +72,8 @@ class HostOnlyExecutor:
     def __init__(self, worker: Worker, seed: int = 0, device_s: float = 0.0) -> None:
         self.arch, self.num_pages, self.max_len = worker.arch, worker.num_pages, worker.max_len
         self._rng = random.Random(seed)
+        self._np_rng = np.random.default_rng(seed)
+        self._packed: dict[int, np.ndarray] = {}  # width -> packed rows (packed_rows' layout)
         self._low, self._high = 10, worker.arch.vocab_size - 1
         self.device_s = device_s
         self._device_free_at = 0.0
@@ -77,7 +83,26 @@ class HostOnlyExecutor:
         done_at = 0.0
         if self.device_s > 0:
             done_at = self._device_free_at = max(time.perf_counter(), self._device_free_at) + self.device_s
-        return _Answered(StepResult(token_ids=[randint(self._low, self._high) for _ in msg.logits_rows]), done_at)
+        tokens = [randint(self._low, self._high) for _ in msg.logits_rows]
+        if not any(p.logprobs for p in msg.params):
+            return _Answered(StepResult(token_ids=tokens), done_at)
+        # as the worker's read-back of packed rows (readback.sample_lists): the same host work, over
+        # rows of random log-probabilities drawn once per width
+        width = MAX_TOP_LOGPROBS if any(p.top_logprobs for p in msg.params) else 0
+        rows = self._packed.get(width)
+        if rows is None or rows.shape[0] < len(tokens):
+            rows = self._packed[width] = self._random_rows(max(len(tokens), 256), width)
+        packed = rows[:len(tokens)]
+        packed[:, 0] = tokens
+        tokens, logprobs, tops = unpack_lists(packed)
+        return _Answered(StepResult(token_ids=tokens, logprobs=logprobs, top_logprobs=tops), done_at)
+
+    def _random_rows(self, n: int, width: int) -> np.ndarray:
+        packed = self._np_rng.integers(self._low, self._high, (n, 2 + 2 * width), dtype=np.int32)
+        packed[:, 1:2].view(np.float32)[:] = -self._np_rng.random((n, 1), dtype=np.float32)
+        if width:
+            packed[:, 2 + width:].view(np.float32)[:] = -np.sort(self._np_rng.random((n, width), dtype=np.float32))
+        return packed
 
     def shutdown(self) -> None:
         pass
