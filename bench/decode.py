@@ -89,10 +89,11 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
 
 
 class Setup:
-    def __init__(self, path: Path, max_bs: int, context: int, attention: str = "flashinfer") -> None:
+    def __init__(self, path: Path, max_bs: int, context: int, attention: str = "flashinfer",
+                 page_size: int = 16) -> None:
         self.model, self.arch = load_model(path, torch.bfloat16, CUDA,
                                            kernels=select_kernels(CUDA, prefer_fused=attention == "flashinfer"))
-        ps = 16
+        ps = page_size
         self.pages_per_row = -(-(context + 1) // ps)
         num_pages = max_bs * self.pages_per_row + 2
         shape = self.model.attention_shape
@@ -287,6 +288,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--attention", default="flashinfer", choices=["flashinfer", "torch"])
+    ap.add_argument("--page-size", type=int, default=16, help="KV-cache page size (tokens; cache.page_size)")
     ap.add_argument("--tc-full", action="store_true",
                     help="also time graphs.decode.backend=tc_full (torch.compile'd forward, one full graph a "
                          "shape; its compile and capture seconds go to graph_memory)")
@@ -302,7 +304,7 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
     """Ours in this process, then (its GPU memory released) the peers in their children."""
     batches = ints(args.batches)
     path = ensure_checkpoint(preset, Path(args.checkpoints))
-    setup = Setup(path, max(batches), args.context, args.attention)
+    setup = Setup(path, max(batches), args.context, args.attention, args.page_size)
     floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
     rows, memory = ours(setup, batches, args.repeats, args.tc_full)
     split_of = getattr(setup.attention, "graph_splits_kv", None)
@@ -335,7 +337,8 @@ def main() -> None:
     args = parse_args()
     if args.compile_one:
         batches = ints(args.compile_batches)
-        compiled_ours(Setup(Path(args.compile_one), max(batches), args.context, args.attention), batches, args.repeats)
+        compiled_ours(Setup(Path(args.compile_one), max(batches), args.context, args.attention, args.page_size),
+                      batches, args.repeats)
         return
     bw = copy_bandwidth()
     print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")

@@ -32,8 +32,9 @@ from worker.model_steps import ModelDecodeStep  # noqa: E402
 CUDA = torch.device("cuda")
 
 
-def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
-    """(kernel count, summed kernel ms, top kernels as (name, ms, count)) of one call of ``fn``."""
+def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]], float]:
+    """(kernel count, summed kernel ms, top kernels as (name, ms, count), attention kernels' ms) of
+    one call of ``fn``."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -45,7 +46,7 @@ def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
     total = sum(sum(v) for v in per_name.values())
     count = sum(len(v) for v in per_name.values())
     top = sorted(((n[:70], sum(v), len(v)) for n, v in per_name.items()), key=lambda t: -t[1])[:8]
-    return count, total, top
+    return count, total, top, attention_kernel_ms(per_name)
 
 
 def pipelined(fn, steps: int = 50) -> float:
@@ -61,9 +62,17 @@ def pipelined(fn, steps: int = 50) -> float:
     return (time.perf_counter() - t) / steps
 
 
+def attention_kernel_ms(per_name: dict[str, list[float]]) -> float:
+    """Summed ms of flashinfer's attention kernels (prefill / decode kernels and the split-KV merge)."""
+    return sum(sum(v) for n, v in per_name.items()
+               if any(key in n for key in ("PrefillWithPagedKVCache", "DecodeWithPagedKVCache", "MergeStates",
+                                           "merge_states", "VariableLengthMergeStates")))
+
+
 def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict,
-                   variant: str) -> None:
-    setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(batches), args.context, args.attention)
+                   variant: str, page_size: int = 16) -> None:
+    setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(batches), args.context, args.attention,
+                  page_size)
     if variant == "cuda_core_decode":
         from worker.attention.flashinfer_backend import FlashInferBackend
 
@@ -85,13 +94,18 @@ def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list,
         replay_ms = timed(replay, args.repeats) * 1e3
         step_ms = timed(lambda: runner.execute(live, choice), args.repeats) * 1e3
         pipelined_ms = pipelined(lambda: runner.execute(live, choice)) * 1e3
-        n, kernel_ms, top = kernels_of_replay(replay)
+        n, kernel_ms, top, attention_ms = kernels_of_replay(replay)
         floor_ms = setup.floor_bytes(b) / bw * 1e3
-        rows.append({"preset": preset, "variant": variant, "bucket": b, "plan_ms": plan_ms, "replay_ms": replay_ms,
-                     "step_ms": step_ms, "pipelined_ms": pipelined_ms, "kernels": n, "kernel_ms": kernel_ms,
+        cache = setup.cache
+        kv_bytes = b * (args.context + 1) * cache.shape.bytes_per_page(torch.bfloat16) // cache.page_size
+        rows.append({"preset": preset, "variant": variant, "page_size": page_size, "bucket": b, "plan_ms": plan_ms,
+                     "replay_ms": replay_ms, "step_ms": step_ms, "pipelined_ms": pipelined_ms, "kernels": n,
+                     "kernel_ms": kernel_ms, "attention_ms": attention_ms,
+                     # the attention kernels' share of the copy bandwidth: the KV they must read over their time
+                     "attention_bw_share": kv_bytes / (attention_ms * 1e-3) / bw if attention_ms else None,
                      "floor_ms": floor_ms, "step/floor": step_ms / floor_ms,
                      "pipelined/floor": pipelined_ms / floor_ms})
-        details[f"{preset}/{variant}/{b}"] = top
+        details[f"{preset}/{variant}/page{page_size}/{b}"] = top
     runner.release()
 
 
@@ -104,6 +118,7 @@ def main() -> None:
     ap.add_argument("--attention", default="flashinfer")
     ap.add_argument("--variants", default="tensor_core_decode,cuda_core_decode",
                     help="flashinfer decode kernel: FA2 prefill kernel (tensor cores) or the CUDA-core decode kernel")
+    ap.add_argument("--page-sizes", default="16", help="KV-cache page sizes to compare (tokens)")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -111,10 +126,12 @@ def main() -> None:
     rows, details = [], {}
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
-            measure_preset(preset, batches, args, bw, rows, details, variant)
-            torch.cuda.empty_cache()
-    print_table(rows, ["preset", "variant", "bucket", "plan_ms", "replay_ms", "step_ms", "pipelined_ms", "kernels",
-                       "kernel_ms", "floor_ms", "step/floor", "pipelined/floor"])
+            for page_size in (int(p) for p in args.page_sizes.split(",")):
+                measure_preset(preset, batches, args, bw, rows, details, variant, page_size)
+                torch.cuda.empty_cache()
+    print_table(rows, ["preset", "variant", "page_size", "bucket", "plan_ms", "replay_ms", "step_ms", "pipelined_ms",
+                       "kernels", "kernel_ms", "attention_ms", "attention_bw_share", "floor_ms", "step/floor",
+                       "pipelined/floor"])
     for key, top in details.items():
         print(f"\n{key}: top kernels (ms, count)")
         for name, ms, count in top:
