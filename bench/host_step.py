@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -41,6 +42,7 @@ from bench.engine import ensure_checkpoint  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker import model_runner, step_pipeline  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+from worker.gc_heap import freeze_startup_heap  # noqa: E402
 from worker.sampling import sampler  # noqa: E402
 from worker.sampling.packed_rows import unpack_lists  # noqa: E402
 from worker.sampling.params import MAX_TOP_LOGPROBS, SamplingParams  # noqa: E402
@@ -153,6 +155,44 @@ def instrument(engine: Engine, timer: PieceTimer, worker: bool) -> None:
         readback.wait = timer.wrap("read-back wait", readback.wait)
 
 
+def prepared(args: argparse.Namespace, cfg, sampling: dict) -> tuple[Engine, PieceTimer]:
+    """An engine (over the real worker or the host-only executor) with ``--batch`` requests decoding
+    with ``sampling``, past their prefill and ``--warm-tokens`` steps, its pieces instrumented."""
+    engine = Engine(cfg, executor=HostOnlyExecutor(Worker.local(cfg))) if args.executor == "host" else Engine(cfg)
+    timer = PieceTimer()
+    instrument(engine, timer, args.executor == "worker")
+    g = torch.Generator().manual_seed(0)
+    max_tokens = args.warm_tokens + args.steps * (args.rounds if args.pair else 1) + 16
+    for _ in range(args.batch):
+        engine.add_request(torch.randint(10, engine.arch.vocab_size - 10, (args.context,), generator=g).tolist(),
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+    while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(args.warm_tokens):
+        engine.step()
+    return engine, timer
+
+
+def timed_steps(engine: Engine, timer: PieceTimer, steps: int) -> float:
+    """Seconds of ``steps`` engine steps, its pieces timed."""
+    timer.on = True
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    timer.on = False
+    return time.perf_counter() - started
+
+
+def piece_rows(timer: PieceTimer, steps: int, step_s: float) -> list[dict]:
+    rows = [{"piece": name, "us_per_step": timer.seconds[name] / steps * 1e6,
+             "calls_per_step": timer.calls[name] / steps}
+            for name in sorted(timer.seconds, key=timer.seconds.get, reverse=True)]
+    rows.append({"piece": "pieces, summed", "us_per_step": sum(timer.seconds.values()) / steps * 1e6,
+                 "calls_per_step": None})
+    rows.append({"piece": "whole step", "us_per_step": step_s * 1e6, "calls_per_step": 1.0})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny-llama")
@@ -166,57 +206,65 @@ def main() -> None:
                     help="greedy requests (temperature 0, what bench/serve.py sends) instead of top-p sampling")
     ap.add_argument("--top-logprobs", type=int, default=None,
                     help="every request asks for log-probabilities and this many alternatives (0-20)")
+    ap.add_argument("--pair", action="store_true",
+                    help="with --top-logprobs: also an engine without log-probabilities, the two run in --rounds "
+                         "interleaved rounds of --steps steps (median of the rounds, and of their paired ratios)")
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--executor", choices=("worker", "host"), default="worker",
                     help="worker: the real forward; host: HostOnlyExecutor (the engine's host work alone)")
     args = ap.parse_args()
+    if args.pair and args.top_logprobs is None:
+        ap.error("--pair compares --top-logprobs K with none: give K")
 
     cuda = torch.cuda.is_available()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     B, ctx = args.batch, args.context
-    pages = B * (-(-(ctx + args.warm_tokens + args.steps + 32) // 16)) + 64
+    steps_total = args.steps * (args.rounds if args.pair else 1)
+    pages = (2 if args.pair else 1) * B * (-(-(ctx + args.warm_tokens + steps_total + 32) // 16)) + 64
     overrides = [f"model.path={path}", f"cache.num_pages={pages}", f"scheduler.max_running_requests={B}"]
     if not cuda:
         overrides += ["model.device=cpu", "attention.backend=torch", "graphs.enabled=false"]
     cfg = load_config(None, overrides + args.set)
-    if args.executor == "host":
-        worker = Worker.local(cfg)
-        engine = Engine(cfg, executor=HostOnlyExecutor(worker))
-    else:
-        engine = Engine(cfg)
-    timer = PieceTimer()
-    instrument(engine, timer, args.executor == "worker")
-    g = torch.Generator().manual_seed(0)
-    max_tokens = args.warm_tokens + args.steps + 16
     # By default sampled, top-p on (the path a chat request takes); --greedy: the serve benchmarks' path.
     sampling = dict(temperature=0.0) if args.greedy else dict(temperature=0.8, top_p=0.95)
+    asked = dict(sampling)
     if args.top_logprobs is not None:  # issue 19's load: log-probabilities with alternatives on every row
-        sampling.update(logprobs=True, top_logprobs=args.top_logprobs)
-    for _ in range(B):
-        engine.add_request(torch.randint(10, engine.arch.vocab_size - 10, (ctx,), generator=g).tolist(),
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
-    while engine.scheduler.waiting or any(r.prefilling for r in engine.scheduler.running):
-        engine.step()
-    for _ in range(args.warm_tokens):
-        engine.step()
-    running = len(engine.scheduler.running)
-    timer.on = True
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    step_s = (time.perf_counter() - started) / args.steps
-    timer.on = False
-
-    rows = [{"piece": name, "us_per_step": timer.seconds[name] / args.steps * 1e6,
-             "calls_per_step": timer.calls[name] / args.steps} for name in sorted(timer.seconds, key=timer.seconds.get,
-                                                                               reverse=True)]
-    pieces_s = sum(timer.seconds.values()) / args.steps
-    rows.append({"piece": "pieces, summed", "us_per_step": pieces_s * 1e6, "calls_per_step": None})
-    rows.append({"piece": "whole step", "us_per_step": step_s * 1e6, "calls_per_step": 1.0})
-    print(f"{args.preset}, batch {running} (asked {B}), context {ctx} + {args.warm_tokens} made, "
-          f"{'cuda' if cuda else 'cpu'}, executor {args.executor}, {'greedy' if args.greedy else 'top-p'}, "
-          f"async_scheduling={cfg.scheduler.async_scheduling}, top_logprobs={args.top_logprobs}")
-    print_table(rows, ["piece", "us_per_step", "calls_per_step"])
-    write_results("host_step", {"env": environment(), "args": vars(args), "batch": running, "rows": rows})
+        asked.update(logprobs=True, top_logprobs=args.top_logprobs)
+    header = (f"{args.preset}, batch {B}, context {ctx} + {args.warm_tokens} made, {'cuda' if cuda else 'cpu'}, "
+              f"executor {args.executor}, {'greedy' if args.greedy else 'top-p'}, "
+              f"async_scheduling={cfg.scheduler.async_scheduling}")
+    if not args.pair:
+        engine, timer = prepared(args, cfg, asked)
+        step_s = timed_steps(engine, timer, args.steps) / args.steps
+        rows = piece_rows(timer, args.steps, step_s)
+        print(f"{header}, top_logprobs={args.top_logprobs}")
+        print_table(rows, ["piece", "us_per_step", "calls_per_step"])
+        write_results("host_step", {"env": environment(), "args": vars(args), "batch": len(engine.scheduler.running),
+                                    "rows": rows})
+        return
+    variants = {"none": prepared(args, cfg, sampling), f"top{args.top_logprobs}": prepared(args, cfg, asked)}
+    freeze_startup_heap("host_step")  # as a rank actor, whose engine loop this is
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (engine, timer) in variants.items():
+            seconds[name].append(timed_steps(engine, timer, args.steps) / args.steps)
+    for name, (engine, _) in variants.items():
+        stats = list(engine.step_stats)[-args.steps:]
+        assert all(s.phase == "decode" and s.batch_size == B for s in stats), \
+            f"{name}: a step was not the batch's decode"
+    top = f"top{args.top_logprobs}"
+    steps = args.steps * args.rounds
+    rows = [{"variant": name, "step_us": statistics.median(s) * 1e6, **{
+        f"{r['piece']}_us": r["us_per_step"] for r in piece_rows(variants[name][1], steps, statistics.median(s))
+        if r["calls_per_step"]}} for name, s in seconds.items()]
+    ratios = [t / n for t, n in zip(seconds[top], seconds["none"])]
+    print(f"{header}: none beside top_logprobs={args.top_logprobs}, {args.rounds} interleaved rounds of {args.steps}")
+    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
+    delta = rows[1]["step_us"] - rows[0]["step_us"]
+    print(f"{top} over none: {rows[1]['step_us'] / rows[0]['step_us']:.3f} (medians), "
+          f"{statistics.median(ratios):.3f} (median of paired rounds), +{delta:.1f} us")
+    write_results("host_step", {"env": environment(), "args": vars(args), "rows": rows, "paired_ratios": ratios,
+                                "median_paired_ratio": statistics.median(ratios)})
 
 
 if __name__ == "__main__":
