@@ -9,7 +9,9 @@ the bound of a host-bound eager step), and its wall time with the sync, then the
 
 * ``fused``: flashinfer's norm and SiLU kernels and the Triton RoPE + KV write (the default);
 * ``fused_unfused_rope``: the same with flashinfer's RoPE and its paged-KV append (two launches);
-* ``torch``: the PyTorch element-wise kernels (more kernels, plain dispatch) with flashinfer attention.
+* ``torch``: the PyTorch element-wise kernels (more kernels, plain dispatch) with flashinfer attention;
+* ``hf``: HF transformers' eager forward of the same checkpoint in the same process (one token a
+  row over a growing ``DynamicCache``), the reference the issue compares with.
 
 On a CPU it runs the torch kernels with the torch attention backend (a smoke run of the script:
 do not quote it). ``python bench/eager_host.py [--presets tinyllama-1.1b] [--batches 1,64]``.
@@ -142,6 +144,36 @@ def bench_preset(path: Path, batches: list[int], context: int, calls: int, devic
             step_row["layers"] = arch.num_layers
             step_row["host_us_per_layer"] = step_row["host_us"] / arch.num_layers
             per_layer["layers"] = arch.num_layers
+    rows += hf_rows(path, batches, context, calls, device, model.dtype)
+    return rows
+
+
+def hf_rows(path: Path, batches: list[int], context: int, calls: int, device: torch.device,
+            dtype: torch.dtype) -> list[dict]:
+    """HF transformers' eager forward of one new token per row over a ``context``-token cache
+    (``DynamicCache``, growing by a token per call), host and wall us: the reference the issue
+    compares the eager step with, in the same process."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        return [{"preset": path.name, "kernels": "hf", "op": f"HF forward: {e}"}]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    rows = []
+    for b in batches:
+        g = torch.Generator().manual_seed(b)
+        with torch.no_grad():
+            cache = hf(torch.randint(10, hf.config.vocab_size, (b, context), generator=g).to(device),
+                       use_cache=True).past_key_values
+        ids = torch.randint(10, hf.config.vocab_size, (b, 1), generator=g).to(device)
+
+        def forward():
+            with torch.no_grad():
+                return hf(ids, past_key_values=cache, use_cache=True).logits
+
+        host, wall = host_and_wall_us(forward, device, max(3, calls // 10))
+        n = hf.config.num_hidden_layers
+        rows.append({"preset": path.name, "batch": b, "kernels": "hf", "op": "HF forward (DynamicCache)",
+                     "host_us": host, "wall_us": wall, "layers": n, "host_us_per_layer": host / n})
     return rows
 
 

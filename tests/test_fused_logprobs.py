@@ -129,35 +129,47 @@ def test_bad_inputs_are_named(call, message):
 
 
 def test_the_probe_passes_the_kernels_and_fails_a_broken_or_wrong_one(caplog):
-    """``probe_fused_tail`` (what a worker runs at start, per device): the kernels pass (here in
-    Triton's interpreter); a kernel that raises (a compile error on some GPU) or answers wrongly
-    fails with a warning naming why, so ``fused_tail`` leaves that device to the torch ops."""
+    """``probe_fused_tail`` (what a model runner runs at start, per device and kernel variant): the
+    kernels pass (here in Triton's interpreter) for float32 and bf16 logits, widths 0 and 20; a
+    kernel that raises (a compile error on some GPU), answers wrongly, or packs its rows wrongly
+    fails with a warning naming why, so ``fused_tail`` leaves that variant to the torch ops."""
     from worker.sampling.logprobs import probe_fused_tail
 
     cpu = torch.device("cpu")
-    assert probe_fused_tail(logprob_tail, cpu)
+    for vocab, width, dtype in ((1000, 5, torch.float32), (3000, 20, torch.bfloat16), (300, 0, torch.float32)):
+        assert probe_fused_tail(logprob_tail, cpu, vocab, width, dtype)
 
     def broken(logits, tokens, width):
         raise RuntimeError("PassManager::run failed")  # what a Triton compile error says
 
     def shifted(logits, tokens, width):
         chosen, ids, values = torch_logprobs_of(logits, tokens, width)
-        return chosen + 1e-2, ids, values
+        return chosen + 1e-2, ids, values, pack(tokens, chosen + 1e-2, ids, values)
+
+    def misplaced(logits, tokens, width):
+        chosen, ids, values, packed = logprob_tail(logits, tokens, width)
+        return chosen, ids, values, packed.flip(0)
 
     with caplog.at_level("WARNING", logger="worker.sampling.logprobs"):
         assert not probe_fused_tail(broken, cpu)
         assert not probe_fused_tail(shifted, cpu)
-    assert "unusable on cpu" in caplog.text and "PassManager::run failed" in caplog.text
-    assert "disagree with the torch ops on cpu" in caplog.text
+        assert not probe_fused_tail(misplaced, cpu)
+    assert "unusable on cpu for 1000 columns" in caplog.text and "PassManager::run failed" in caplog.text
+    assert caplog.text.count("disagree with the torch ops on cpu") == 2
 
 
-def test_fused_tail_is_none_for_a_device_whose_probe_failed():
+def test_fused_tail_answers_per_variant_and_none_for_one_whose_probe_failed():
     from worker.sampling import logprobs
 
     cpu = torch.device("cpu")
-    assert logprobs.fused_tail(cpu) is logprob_tail  # probed here (the interpreter passes)
-    logprobs._probed[cpu] = False
+    key = (cpu, 1000, 20, torch.float32)
+    logprobs._probed.pop(key, None)
     try:
-        assert logprobs.fused_tail(cpu) is None
+        assert logprobs.fused_tail(cpu, 1000, 20) is logprob_tail  # probed here (the interpreter passes)
+        assert logprobs._probed[key] is True
+        logprobs._probed[key] = False
+        assert logprobs.fused_tail(cpu, 1000, 20) is None
+        assert logprobs.fused_tail(cpu, 1000, 0) is logprob_tail  # another variant: probed on its own
     finally:
-        logprobs._probed.pop(cpu, None)
+        for k in [k for k in logprobs._probed if k[0] == cpu]:
+            del logprobs._probed[k]

@@ -90,8 +90,11 @@ def test_heavy_ties_keep_the_values_and_distinct_ids():
 
 
 def test_the_kernels_pass_their_probe_on_the_gpu():
-    """What a ModelRunner asks at start: the kernels compile and agree with the torch ops here."""
+    """What a ModelRunner asks at start: the served variants compile and agree with the torch ops here."""
     from worker.sampling.logprobs import fused_tail, probe_fused_tail
 
-    assert probe_fused_tail(logprob_tail, torch.device("cuda"))
-    assert fused_tail(torch.device("cuda", torch.cuda.current_device())) is logprob_tail
+    for vocab in (32000, 128256):
+        for width in (0, MAX_TOP_LOGPROBS):
+            assert probe_fused_tail(logprob_tail, CUDA, vocab, width)
+            assert fused_tail(CUDA, vocab, width) is logprob_tail
+    assert probe_fused_tail(logprob_tail, CUDA, 32000, MAX_TOP_LOGPROBS, torch.bfloat16)

@@ -227,6 +227,34 @@ def test_sample_with_graphs_equals_sample_without(params):
             list(zip(want.top_ids.tolist(), want.top_logprobs.tolist()))
 
 
+@pytest.mark.parametrize("width", [0, MAX_TOP_LOGPROBS])
+def test_a_greedy_batch_over_the_static_rows_samples_into_the_static_token_rows(width):
+    """All greedy over the static input's own rows: the argmax goes straight into the graphs' static
+    token rows (``token_rows``), which the replay reads without a copy; the step's tokens are that
+    view (the next call rewrites it) and equal sampling without graphs. A sampled batch, or logits
+    that are not the static rows, gets a token tensor of its own."""
+    static = torch.zeros(ROWS, VOCAB)
+    graphs = LogprobGraphs(static, capture=Recorder())
+    greedy = [SamplingParams(temperature=0, logprobs=True, top_logprobs=width)] * 5
+    batch = SamplingBatch.build(greedy, list(range(5)), [2] * 5, CPU, vocab_size=VOCAB)
+    for seed in (1, 2):
+        logits, _ = _inputs(5, seed)
+        static[:5].copy_(logits)
+        got = sample(static[:5], batch, logprob_graphs=graphs)
+        want = sample(logits, batch)
+        assert got.token_ids.data_ptr() == graphs.token_rows(static[:5], width).data_ptr()
+        assert got.packed is not None
+        for a, b in zip(want[:4], got[:4]):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert torch.equal(got.packed[:, 0], want.token_ids.to(torch.int32))
+    assert graphs.token_rows(logits, width) is None  # not the static rows
+    sampled = SamplingBatch.build([SamplingParams(seed=1, logprobs=True, top_logprobs=width)] * 5, list(range(5)),
+                                  [2] * 5, CPU, vocab_size=VOCAB)
+    out = sample(static[:5], sampled, logprob_graphs=graphs)
+    assert out.token_ids.data_ptr() != graphs.token_rows(static[:5], width).data_ptr()
+    assert torch.equal(out.packed[:, 0], out.token_ids.to(torch.int32))  # its tokens copied in for the replay
+
+
 @pytest.mark.parametrize("width", [0, 1, MAX_TOP_LOGPROBS])
 def test_packed_rows_read_back_exactly_the_lists_of_the_tensors(width):
     g = torch.Generator().manual_seed(width)

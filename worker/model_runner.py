@@ -15,6 +15,7 @@ from worker.host_staging import PinnedStaging
 from worker.model.llama import LlamaForCausalLM
 from worker.sampling.logprob_graphs import LogprobGraphs
 from worker.sampling.logprobs import fused_tail, logprobs_of
+from worker.sampling.params import MAX_TOP_LOGPROBS
 from worker.sampling.penalties import PenaltyHistory
 from worker.sampling.sampler import SampleOutput, SamplingBatch, SamplingRows, sample
 from worker.step_message import StepMessage
@@ -57,8 +58,10 @@ class ModelRunner:
         buffers = getattr(decode_runner, "buffers", None)  # a DecodeGraphRunner's static buffers
         self.logprob_graphs = LogprobGraphs(buffers.logits) \
             if logprob_graphs and buffers is not None and self.device.type == "cuda" else None
-        if self.device.type == "cuda":
-            fused_tail(self.device)  # compiles and probes the log-probability kernels now, not mid-step
+        if self.device.type == "cuda":  # the decode steps' log-probability kernels compiled and probed now
+            vocab = buffers.logits.shape[1] if buffers is not None else model.arch.vocab_size
+            for width in (0, min(MAX_TOP_LOGPROBS, vocab)):
+                fused_tail(self.device, vocab, width)
         self.profile = BatchProfile()  # live batch shapes, for profile-guided ladders
         self._staging = PinnedStaging(self.device)  # the step's ids, positions and rows, in one copy
         self._sampling_staging = PinnedStaging(self.device)
@@ -123,9 +126,11 @@ class ModelRunner:
         """Run one step (``previous``: see :meth:`prepare`); returns the sampled tokens (None if no
         row samples) and the logits used, on the device and possibly not yet computed.
 
-        Replayed logits and log-probabilities are views of static buffers that the next step
-        overwrites: enqueue their copy on this stream before the next step (as
-        :meth:`worker.worker.Worker.launch` does) or clone them."""
+        Replayed logits and log-probabilities, and a greedy decode step's token ids when its
+        log-probabilities replay, are views of static buffers that the next step overwrites:
+        enqueue their copy on this stream before the next step (as
+        :meth:`worker.worker.Worker.launch` does) or clone them (the next step's inputs read the
+        tokens in stream order, before its own sampling rewrites them)."""
         inputs = self.prepare(msg, previous)
         prompt = None
         if not msg.is_prefill:

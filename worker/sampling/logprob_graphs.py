@@ -72,7 +72,7 @@ _UNSEEN = object()
 def logprob_tail(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> Tail:
     """:func:`~worker.sampling.logprobs.logprobs_of` of float32 ``logits`` and its packed rows (on
     CUDA the fused kernels, which pack as they go)."""
-    fused = fused_tail(logits.device) if logits.is_cuda else None
+    fused = fused_tail(logits.device, logits.shape[-1], width, logits.dtype) if logits.is_cuda else None
     if fused is not None:
         return fused(logits, tokens, width)
     chosen, ids, values = logprobs_of(logits, tokens, width)
@@ -171,8 +171,8 @@ class LogprobGraphs:
         A token tensor given so is a view of a static buffer: the next sampling of the same rows
         overwrites it, after the step's read-back copy in stream order (the module docstring's
         static-outputs rule holds for it as for the outputs)."""
-        if (not unbiased.is_cuda or unbiased.data_ptr() != self._ptr or unbiased.dtype != torch.float32
-                or unbiased.stride() != self._stride or torch.cuda.is_current_stream_capturing()):
+        if (unbiased.data_ptr() != self._ptr or unbiased.dtype != torch.float32 or unbiased.stride() != self._stride
+                or (unbiased.is_cuda and torch.cuda.is_current_stream_capturing())):
             return None
         key = (*unbiased.shape, width, unbiased.device)
         served = self._served.get(key, _UNSEEN)

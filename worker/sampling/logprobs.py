@@ -26,9 +26,10 @@ def logprobs_of(unbiased: torch.Tensor, tokens: torch.Tensor, width: int,
     CUDA tensors (where Triton is present) take the fused kernels of
     :mod:`worker.sampling.fused_logprobs`, which read any float dtype and compute in float32; others
     :func:`torch_logprobs_of` of the logits upcast to float32 (a copy only when they are not)."""
-    fused = fused_tail(unbiased.device) if unbiased.is_cuda else None
+    width = min(width, unbiased.shape[-1])
+    fused = fused_tail(unbiased.device, unbiased.shape[-1], width, unbiased.dtype) if unbiased.is_cuda else None
     if fused is not None:
-        return fused(unbiased, tokens, min(width, unbiased.shape[-1]))[:3]
+        return fused(unbiased, tokens, width)[:3]
     return torch_logprobs_of(unbiased.to(torch.float32), tokens, width)
 
 
@@ -41,51 +42,66 @@ def _fused_kernels():
     return logprob_tail
 
 
-_probed: dict[torch.device, bool] = {}  # device -> whether the fused kernels passed their probe there
+#: (device, vocabulary, width, logits dtype) -> whether the fused kernels passed their probe there
+_probed: dict[tuple, bool] = {}
 
 
-def fused_tail(device: torch.device | str):
-    """:func:`worker.sampling.fused_logprobs.logprob_tail` where it works on ``device``, else None
-    (Triton absent, or the kernels failed their probe there: the torch path then serves).
+def fused_tail(device: torch.device | str, vocab: int, width: int, dtype: torch.dtype = torch.float32):
+    """:func:`worker.sampling.fused_logprobs.logprob_tail` where it works for logits of ``vocab``
+    columns and ``dtype`` with ``width`` alternatives on ``device``, else None (Triton absent, or
+    the kernels failed their probe: the torch path then serves).
 
-    The first ask for a device probes the kernels there (:func:`probe_fused_tail`: it compiles
-    them, so a worker asks once at start). An ask while the current stream captures, before any
-    probe, gets None without probing (a probe synchronises); the caller's capture then records the
-    torch path."""
+    Every kernel constant derives from (vocabulary, width) and the logits' dtype, so each such
+    variant is probed once, on its first ask (:func:`probe_fused_tail`, which compiles it): a
+    model runner asks for the ones its decode steps use when it starts. An ask while the current
+    stream captures, before that variant's probe, gets None without probing (a probe
+    synchronises); the caller's capture then records the torch path."""
     kernel = _fused_kernels()
     if kernel is None:
         return None
     device = torch.device(device)
-    ok = _probed.get(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, vocab, width, dtype)
+    ok = _probed.get(key)
     if ok is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        ok = _probed[device] = probe_fused_tail(kernel, device)
+        ok = _probed[key] = probe_fused_tail(kernel, device, vocab, width, dtype)
     return kernel if ok else None
 
 
-def probe_fused_tail(kernel, device: torch.device | str) -> bool:
-    """Whether ``kernel`` (a ``logprob_tail``) runs on ``device`` and equals :func:`torch_logprobs_of`
-    on a small random batch (chosen log-probabilities and the top values within 1e-4; ids equal or
-    holding the same values). Any failure (a Triton compile error on this GPU, a launch error) is
-    logged once with its reason and answers False. Synchronises the device: call it outside
-    captures and steps (a worker does at start)."""
+def probe_fused_tail(kernel, device: torch.device | str, vocab: int = 1000, width: int = 5,
+                     dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``kernel`` (a ``logprob_tail``) runs on ``device`` for three rows of ``vocab`` random
+    logits of ``dtype`` with ``width`` alternatives, and equals :func:`torch_logprobs_of` of them
+    upcast (chosen log-probabilities and top values within 1e-4, ids equal or holding the same
+    values) with its packed rows equal to :func:`~worker.sampling.packed_rows.pack` of its outputs.
+    Any failure (a Triton compile error on this GPU, too little shared memory for this variant, a
+    launch error) is logged with its reason and answers False. Synchronises the device: call it
+    outside captures (a model runner does at start)."""
+    from worker.sampling.packed_rows import pack
+
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 1000, generator=g) * 4).to(device)
-    tokens = torch.tensor([0, 17, 999], device=device)
+    logits = (torch.randn(3, vocab, generator=g) * 4).to(device=device, dtype=dtype)
+    tokens = torch.tensor([0, vocab // 2, vocab - 1], device=device)
     try:
-        chosen, ids, values = kernel(logits, tokens, 5)[:3]
-        ref_chosen, ref_ids, ref_values = torch_logprobs_of(logits, tokens, 5)
-        logp = logits.log_softmax(-1)
-        same = (torch.allclose(chosen, ref_chosen, atol=1e-4) and torch.allclose(values, ref_values, atol=1e-4)
-                and (torch.equal(ids, ref_ids) or torch.allclose(logp.gather(1, ids.long()), ref_values, atol=1e-4)))
+        out = kernel(logits, tokens, width)
+        chosen, ids, values, packed = out
+        ref_chosen, ref_ids, ref_values = torch_logprobs_of(logits.float(), tokens, width)
+        same = torch.allclose(chosen, ref_chosen, atol=1e-4)
+        if width:
+            logp = logits.float().log_softmax(-1)
+            same = same and torch.allclose(values, ref_values, atol=1e-4) and (
+                torch.equal(ids, ref_ids) or torch.allclose(logp.gather(1, ids.long()), ref_values, atol=1e-4))
+        same = same and packed is not None and torch.equal(packed, pack(tokens, chosen, ids, values))
     except Exception as e:  # noqa: BLE001 - whatever the kernels raise here, the torch path serves instead
-        log.warning("fused log-probability kernels unusable on %s (the torch ops serve instead): %s: %s",
-                    device, type(e).__name__, e)
+        log.warning("fused log-probability kernels unusable on %s for %d columns of %s, width %d (the torch ops "
+                    "serve instead): %s: %s", device, vocab, dtype, width, type(e).__name__, e)
         return False
     if not same:
-        log.warning("fused log-probability kernels disagree with the torch ops on %s (the torch ops serve instead)",
-                    device)
+        log.warning("fused log-probability kernels disagree with the torch ops on %s for %d columns of %s, "
+                    "width %d (the torch ops serve instead)", device, vocab, dtype, width)
     return bool(same)
 
 

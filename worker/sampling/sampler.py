@@ -70,7 +70,9 @@ class SampleOutput(NamedTuple):
     (logprobs (N,), top ids (N, W), top logprobs (N, W)) with W 0 when no request asked for
     alternatives; None when no request asked for them. ``packed``: when the log-probabilities
     were replayed from a graph, the tokens, log-probabilities and alternatives again as int32
-    rows (:mod:`worker.sampling.packed_rows`), for a one-copy read-back; else None."""
+    rows (:mod:`worker.sampling.packed_rows`), for a one-copy read-back; else None. With
+    ``packed`` set, the tensors (``token_ids`` too, for a greedy batch over the static logits) are
+    views of the log-probability graphs' static buffers, rewritten by their next replay."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
