@@ -1,6 +1,8 @@
 """Where an eager decode step's host time goes (issue 17: the eager engine step no slower than HF
 eager generate at batch 1 and 64; at a430655 it was 6.1 ms against HF's 3.67 on tinyllama-1.1b at
-batch 1, and ours ties HF on a CPU, so the gap is in the GPU path's calls).
+batch 1). On the 2-core CPU (tiny-llama, context 512) ours was 1.0-1.12x HF's forward at batch 1
+but 2.0x at batch 4: the torch reference attention's page gather and einsums; on the GPU the
+calls differ (flashinfer, Triton), which is what this measures there.
 
 Per preset, batch and kernel set: the host microseconds of one call of each thing a decoder layer
 launches (queued back to back without a sync: what the host pays before the device can start,
