@@ -116,6 +116,15 @@ def decode_step_seconds(engine, batch: int, context: int, repeats: int) -> float
     return decode_step_breakdown(engine, batch, context, repeats)["step_s"]
 
 
+def add_preset_arguments(ap, presets: str, batches: str, context: int = 512) -> None:
+    """The arguments most benches share: ``--presets`` and ``--batches`` (comma-separated),
+    ``--context`` (prompt tokens) and ``--checkpoints`` (where generated checkpoints are kept)."""
+    ap.add_argument("--presets", default=presets)
+    ap.add_argument("--batches", default=batches)
+    ap.add_argument("--context", type=int, default=context)
+    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")

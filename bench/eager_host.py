@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.common import add_preset_arguments, environment, print_table, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from worker.attention.base import AttentionBatch, Rope  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
@@ -181,11 +181,8 @@ def hf_rows(path: Path, batches: list[int], context: int, calls: int, device: to
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="tinyllama-1.1b")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--context", type=int, default=512)
+    add_preset_arguments(ap, presets="tinyllama-1.1b", batches="1,64")
     ap.add_argument("--calls", type=int, default=200, help="calls of each op per timed repeat (a tenth for steps)")
-    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
