@@ -112,7 +112,7 @@ class StepResult:
     #: the sampled rows' most likely tokens, ``(ids, logprobs)``: two lists of rows, each row the
     #: ``MAX_TOP_LOGPROBS`` int32 ids / float32 log-probabilities as ``bytes``, most likely first
     #: (:func:`worker.sampling.packed_rows.row_bytes`); None unless some row asked for alternatives
-    top_logprobs: tuple[list[list[int]], list[list[float]]] | None = None
+    top_logprobs: tuple[list[bytes], list[bytes]] | None = None
     #: a prefill step's prompt log-probabilities in the order of its message's ``prompt_logprobs``:
     #: (logprobs, alternatives' ids rows, their logprobs rows); None when it computed none
     prompt_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None

@@ -6,8 +6,8 @@ step (tinyllama at batch 64 on the H200, ~30 us of host per torch op) even a few
 more than the device time they add (issue 19). :class:`LogprobGraphs` captures the tail, with the packing of
 the read-back's rows (:func:`worker.sampling.packed_rows.pack`), over a static input, and serves a
 call with one replay, a copy of the logits only when they are not already in the static input,
-and a copy of the tokens only when the sampler did not write them into the static token rows
-(:meth:`LogprobGraphs.token_rows`: greedy batches over the static input do, with ``argmax(out=)``).
+and a copy of the tokens unless the batch is greedy over the static input itself
+(:meth:`LogprobGraphs.greedy`: its argmax goes straight into the static token rows).
 
 Shapes. The sampler sees the live batch (the decode runner returns rows ``[0, n)`` of its static
 output), any size from 1 to the static input's R rows. A call of n rows replays the graph of the
@@ -146,39 +146,52 @@ class LogprobGraphs:
 
         Only enqueues device work. Replayed outputs are views of static buffers that the next call
         of the shape overwrites (see the module docstring)."""
-        if unbiased.is_cuda and torch.cuda.is_current_stream_capturing():
-            return _eager(unbiased, tokens, width)  # neither capture nor replay inside another capture
-        key = (*unbiased.shape, width, unbiased.device)
-        served = self._served.get(key, _UNSEEN)
-        if served is _UNSEEN:
-            served = self._serve(key)
+        served = self._lookup(unbiased, width)
         if served is None:
             return _eager(unbiased, tokens, width)
-        if (unbiased.data_ptr() != self._ptr or unbiased.dtype != torch.float32
-                or unbiased.stride() != self._stride):  # not the static input's own rows [0, n)
+        if not self._is_static_rows(unbiased):
             served.logits.copy_(unbiased)
-        if tokens.data_ptr() != served.tokens.data_ptr() or tokens.shape != served.tokens.shape:
-            served.tokens.copy_(tokens)
-        served.graph.replay()
-        self.replays += 1
-        return served.outputs
+        served.tokens.copy_(tokens)
+        return self._replay(served)
+
+    def greedy(self, unbiased: torch.Tensor, width: int) -> tuple[torch.Tensor, Tail] | None:
+        """For logits that are the static input's own rows ``[0, n)``: their argmax written straight
+        into the static token rows the replay reads, then the replay; (those token rows, the tail).
+        None when such logits would not replay (the caller samples and calls the graphs as usual).
+
+        The tokens are a view of a static buffer, as the outputs are: the next call of the shape
+        overwrites them, after the step's read-back copy in stream order (the module docstring)."""
+        served = self._lookup(unbiased, width) if self._is_static_rows(unbiased) else None
+        if served is None:
+            return None
+        torch.argmax(unbiased, dim=-1, out=served.tokens)  # upcasting is exact: any dtype's argmax
+        return served.tokens, self._replay(served)
 
     def token_rows(self, unbiased: torch.Tensor, width: int) -> torch.Tensor | None:
-        """The static token rows ``[0, n)`` a call of ``unbiased`` (its ``n`` rows of the static input
-        itself) would read, for the sampler to write its tokens into (``argmax(out=...)``) so the
-        call copies nothing; None when such a call would not replay with no copy of the logits.
+        """The static token rows :meth:`greedy` writes for ``unbiased``, or None when it would not."""
+        served = self._lookup(unbiased, width) if self._is_static_rows(unbiased) else None
+        return None if served is None else served.tokens
 
-        A token tensor given so is a view of a static buffer: the next sampling of the same rows
-        overwrites it, after the step's read-back copy in stream order (the module docstring's
-        static-outputs rule holds for it as for the outputs)."""
-        if (unbiased.data_ptr() != self._ptr or unbiased.dtype != torch.float32 or unbiased.stride() != self._stride
-                or (unbiased.is_cuda and torch.cuda.is_current_stream_capturing())):
+    def _is_static_rows(self, unbiased: torch.Tensor) -> bool:
+        """Whether ``unbiased`` is the static input's own rows ``[0, n)`` (nothing to copy in)."""
+        return (unbiased.data_ptr() == self._ptr and unbiased.dtype == torch.float32
+                and unbiased.stride() == self._stride)
+
+    def _lookup(self, unbiased: torch.Tensor, width: int) -> _Served | None:
+        """The views a call of ``unbiased`` and ``width`` replays with, or None: eager (inside another
+        capture: neither capture nor replay there)."""
+        if unbiased.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         key = (*unbiased.shape, width, unbiased.device)
         served = self._served.get(key, _UNSEEN)
         if served is _UNSEEN:
             served = self._serve(key)
-        return None if served is None else served.tokens
+        return served
+
+    def _replay(self, served: _Served) -> Tail:
+        served.graph.replay()
+        self.replays += 1
+        return served.outputs
 
     def release(self) -> None:
         """Reset every captured graph and forget every shape (later calls capture again)."""

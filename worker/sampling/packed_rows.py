@@ -56,20 +56,14 @@ def row_bytes(block: np.ndarray) -> list[bytes]:
     return [data[i:i + step] for i in range(0, len(data), step)]
 
 
-def row_width(rows: list) -> int:
-    """How many alternatives each of a step's rows holds (``bytes`` rows or lists; 0 for no rows)."""
-    if not rows:
-        return 0
-    return len(rows[0]) // 4 if isinstance(rows[0], bytes) else len(rows[0])
+def row_width(rows: list[bytes]) -> int:
+    """How many alternatives each of a step's :func:`row_bytes` rows holds (0 for no rows)."""
+    return len(rows[0]) // 4 if rows else 0
 
 
-def first_alternatives(ids: bytes | list, values: bytes | list, k: int) -> tuple:
-    """The first ``k`` of an entry's alternatives, in the form they came in (the same objects when
-    they are all)."""
-    scale = 4 if isinstance(ids, bytes) else 1
-    if len(ids) == k * scale:
-        return ids, values
-    return ids[:k * scale], values[:k * scale]
+def first_alternatives(ids: bytes, values: bytes, k: int) -> tuple[bytes, bytes]:
+    """The first ``k`` of an entry's alternatives (:func:`row_bytes` rows)."""
+    return ids[:4 * k], values[:4 * k]
 
 
 def alternatives(ids: bytes | list, values: bytes | list) -> tuple[list[int], list[float]]:

@@ -356,12 +356,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, logprob_graphs: Logpro
     else:
         raw = logits if batch.all_greedy and not batch.want_logprobs else logits.to(torch.float32)
     width = MAX_TOP_LOGPROBS if batch.want_top_logprobs else 0
+    if batch.all_greedy and batch.want_logprobs and logprob_graphs is not None and not processed:
+        # over the graphs' static input: the argmax goes straight into their token rows, one replay
+        replayed = logprob_graphs.greedy(raw, width)
+        if replayed is not None:
+            tokens, (chosen, ids, values, packed) = replayed
+            return SampleOutput(tokens, chosen, ids, values, packed=packed)
     if batch.all_greedy:
-        # upcasting is exact, so any float dtype gives the same argmax; written straight into the
-        # log-probability graph's static token rows when it has them (one copy less per step)
-        rows = logprob_graphs.token_rows(raw, width) if logprob_graphs is not None and batch.want_logprobs \
-            and not processed else None
-        tokens = raw.argmax(dim=-1) if rows is None else torch.argmax(raw, dim=-1, out=rows)
+        tokens = raw.argmax(dim=-1)  # upcasting is exact, so any float dtype gives the same argmax
     else:
         keys = _row_keys(batch.seeds, batch.steps)
         s = raw / batch.temperature[:, None]
