@@ -6,7 +6,11 @@ One engine per preset (decode graphs on, the default config otherwise); for each
 of ``--context`` prompt tokens are prefilled and whole engine steps (schedule, plan, replay,
 sample, read back, detokenize) are timed with the batch's rows asking for nothing, for logprobs,
 for logprobs with top_logprobs=20 and for the three penalties, in ``--rounds`` interleaved rounds (the variants see the
-same machine state); each variant's step is the median over its rounds. The engine's startup heap
+same machine state; each round runs them in an order rotated by one from the last, so none always
+follows the same one); each variant's step is the median over its rounds, and each ratio over none
+is also given as the median of the rounds' own ratios with a bootstrap 95% interval (the host-bound
+tinyllama step spreads 10-15% between rounds: its 5% goal is met only where the interval's top is
+under 1.05). The engine's startup heap
 is frozen for the garbage collector first, as a serving rank actor's is (``--no-freeze-gc``: not).
 First, the tail alone:
 the fused log-probability kernels against the torch ops they replace, as graph replays at the
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -46,6 +51,19 @@ def step_seconds(engine: Engine, batch: int, context: int, repeats: int, fields:
 
     inspect = came_back if fields.get("logprobs") else None
     return statistics.median(decode_step_times(engine, batch, context, repeats, g, inspect, **fields))
+
+
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high) of ``values``: the median and its bootstrap 95% percentile interval."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """``names`` starting at its ``k``-th (mod its length): round k's order."""
+    k %= len(names)
+    return names[k:] + names[:k]
 
 
 def tail_microseconds(fn, logits: torch.Tensor, tokens: torch.Tensor, width: int, replays: int = 200) -> float:
@@ -108,18 +126,17 @@ def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rou
     rows = []
     for b in batches:
         seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for _ in range(rounds):
-            for name, fields in VARIANTS.items():
-                seconds[name].append(step_seconds(engine, b, context, repeats, fields, g))
+        for k in range(rounds):
+            for name in rotated(list(VARIANTS), k):
+                seconds[name].append(step_seconds(engine, b, context, repeats, VARIANTS[name], g))
         step = {v: statistics.median(s) for v, s in seconds.items()}
-        rows.append({"preset": path.name, "batch": b, "context": context,
-                     **{f"{v}_ms": step[v] * 1e3 for v in VARIANTS},
-                     "logprobs_over_none": step["logprobs"] / step["none"],
-                     "top20_over_none": step["top20"] / step["none"],
-                     "penalties_over_none": step["penalties"] / step["none"],
-                     "top20_over_none_per_round": [t / n for t, n in zip(seconds["top20"], seconds["none"])],
-                     "top20_over_none_median_of_rounds": statistics.median(
-                         t / n for t, n in zip(seconds["top20"], seconds["none"]))})
+        row = {"preset": path.name, "batch": b, "context": context, **{f"{v}_ms": step[v] * 1e3 for v in VARIANTS}}
+        for v in ("logprobs", "top20", "penalties"):
+            per_round = [t / n for t, n in zip(seconds[v], seconds["none"], strict=True)]
+            mid, low, high = median_interval(per_round)
+            row |= {f"{v}_over_none": step[v] / step["none"], f"{v}_over_none_per_round": per_round,
+                    f"{v}_over_none_median_of_rounds": mid, f"{v}_over_none_ci95": [low, high]}
+        rows.append(row)
     del engine
     torch.cuda.empty_cache()
     return rows
@@ -148,6 +165,11 @@ def main() -> None:
     print("Engine decode steps:")
     print_table(rows, ["preset", "batch", "context", "none_ms", "logprobs_ms", "top20_ms", "penalties_ms",
                        "logprobs_over_none", "top20_over_none", "penalties_over_none"])
+    print("top 20 over none, the median of the rounds' own ratios and its bootstrap 95% interval:")
+    print_table([{"preset": r["preset"], "batch": r["batch"], "rounds": len(r["top20_over_none_per_round"]),
+                  "median": r["top20_over_none_median_of_rounds"], "low": r["top20_over_none_ci95"][0],
+                  "high": r["top20_over_none_ci95"][1]} for r in rows],
+                ["preset", "batch", "rounds", "median", "low", "high"])
     out = write_results("logprobs", {"env": environment(), "rows": rows, "tail": tails, "args": vars(args)})
     print(f"wrote {out}")
 
