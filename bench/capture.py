@@ -21,12 +21,18 @@
    stays held outside the graph pool; ``--explain`` adds the largest live allocations outside
    the pool, and those live inside it (graph outputs, boundary buffers, workspaces: what a replay
    keeps beside its scratch), by the line that made them (CUDA memory history: slower).
+5. ``--served N``: after that, N more prefills of a serving history (random totals up to the chunk,
+   each split into 1-16 requests of random lengths; the same seeded history in every
+   configuration): ``served_peak_GiB`` and ``served_held_GiB`` are the peak and what is still
+   reserved after it. Eager's caching allocator keeps blocks of every size it has seen, split and
+   cached, where graph replays allocate nothing new: a serving process's memory, not one prefill's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import time
@@ -73,10 +79,32 @@ def outside_pool_sites(pool: tuple | None, top: int = 8) -> list[tuple[str, int]
     return pool_sites(pool, False, top)
 
 
+def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prefill steps of a serving history: each a list of request lengths (1-16 requests, each
+    at most ``max_len`` tokens) whose total is random in [1, ``chunk``]."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(n):
+        total = rng.randint(1, chunk)
+        k = min(rng.randint(1, 16), total)
+        k = max(k, -(-total // max_len))
+        cuts = sorted(rng.sample(range(1, total), k - 1)) if k > 1 else []
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+        while max(lengths) > max_len:  # rare: even out a request past the model's positions
+            i = lengths.index(max(lengths))
+            j = lengths.index(min(lengths))
+            move = min(lengths[i] - max_len, max_len - lengths[j])
+            lengths[i] -= move
+            lengths[j] += move
+        steps.append(lengths)
+    return steps
+
+
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
-        decode: str = "-", decode_batch: int = 256, explain: bool = False) -> dict:
+        decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0) -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
-    with ``decode``, capture decode graphs and run one decode step at ``decode_batch``)."""
+    with ``decode``, capture decode graphs and run one decode step at ``decode_batch``), then
+    ``served`` prefills of :func:`served_history`."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -91,7 +119,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
 
     cuda = torch.device("cuda")
     model, arch = load_model(path, torch.bfloat16, cuda, kernels=select_kernels(cuda))
-    pages = chunk // 16 + 2 + 8  # + per-request page rounding
+    pages = chunk // 16 + 2 + 16 + 8  # + per-request page rounding (up to 16 requests a step)
     shape = model.attention_shape
     cache = PagedKVCache(KVCacheShape(arch.num_layers, pages, 16, shape.num_kv_heads, arch.head_dim),
                          torch.bfloat16, cuda)
@@ -126,27 +154,31 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     torch.cuda.reset_peak_memory_stats()
     from graphs.prefill import LivePrefillBatch
 
+    def prefill(lengths: list[int]) -> str:
+        """One prefill step of requests of ``lengths`` tokens (pages from 1 on), as a server runs
+        it: replayed when the runner covers it, else eager; the LM head eagerly on the sampled rows."""
+        tables, first = [], 1
+        for n in lengths:
+            tables.append(list(range(first, first + -(-n // 16))))
+            first += -(-n // 16)
+        total = sum(lengths)
+        ids = torch.randint(10, arch.vocab_size, (total,), device="cuda")
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+        last = torch.tensor(lengths, device="cuda").cumsum(0) - 1  # the rows a server samples
+        live = LivePrefillBatch(ids, pos, AttentionBatch.prefill(lengths, lengths, tables), len(lengths), last)
+        choice = runner.decide(live) if runner is not None else None
+        if choice is not None and choice.replays:
+            hidden, how = runner.execute(live, choice), "graph"
+        else:
+            attention.plan(live.attention)
+            hidden, how = model(ids, pos, attention).index_select(0, last), "eager"
+        model.compute_logits(hidden)
+        return how
+
     # A chunk of exactly ``chunk`` tokens, split into requests no longer than the model's
     # positions (tinyllama-1.1b has 2048: one 8192-token request would index past its RoPE table).
     n_req = -(-chunk // arch.max_position_embeddings)
-    lengths = [chunk // n_req + (i < chunk % n_req) for i in range(n_req)]
-    tables, first = [], 1
-    for n in lengths:
-        tables.append(list(range(first, first + -(-n // 16))))
-        first += -(-n // 16)
-    ids = torch.randint(10, arch.vocab_size, (chunk,), device="cuda")
-    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
-    last = torch.tensor(lengths, device="cuda").cumsum(0) - 1  # the rows a server samples
-    live = LivePrefillBatch(ids, pos, AttentionBatch.prefill(lengths, lengths, tables), n_req, last)
-    choice = runner.decide(live) if runner is not None else None
-    if choice is not None and choice.replays:
-        hidden = runner.execute(live, choice)
-        mode = "graph"
-    else:
-        attention.plan(live.attention)
-        hidden = model(ids, pos, attention).index_select(0, last)
-        mode = "eager"
-    model.compute_logits(hidden)  # the LM head runs eagerly on the sampled rows, as in ModelRunner
+    mode = prefill([chunk // n_req + (i < chunk % n_req) for i in range(n_req)])
     if decode != "-":  # one page a row, 16 tokens of context
         d_ids = torch.randint(10, arch.vocab_size, (decode_batch,), device="cuda")
         d_live = LiveDecodeBatch(d_ids, torch.full((decode_batch,), 15, device="cuda"),
@@ -159,7 +191,17 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             model.compute_logits(model(d_ids, d_live.positions, attention))
     torch.cuda.synchronize()
     held = torch.cuda.memory_reserved() - base
+    peak = torch.cuda.max_memory_reserved() - base
     in_pool = pool_bytes(pool)
+    served_peak = served_held = None
+    served_modes: dict[str, int] = {}
+    if served:
+        for lengths in served_history(served, chunk, arch.max_position_embeddings):
+            how = prefill(lengths)
+            served_modes[how] = served_modes.get(how, 0) + 1
+        torch.cuda.synchronize()
+        served_peak = torch.cuda.max_memory_reserved() - base
+        served_held = torch.cuda.memory_reserved() - base
     sites = [{"site": k, "MiB": v / 2**20} for k, v in outside_pool_sites(pool)] if explain else None
     pool_live = [{"site": k, "MiB": v / 2**20} for k, v in pool_sites(pool, True)] if explain else None
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode,
@@ -169,8 +211,10 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
             "shapes": len(runner.ladder) if runner else 0,
-            "above_baseline_bytes": torch.cuda.max_memory_reserved() - base,
-            "held_bytes": held, "pool_bytes": in_pool}
+            "above_baseline_bytes": peak,
+            "held_bytes": held, "pool_bytes": in_pool,
+            "served": served, "served_modes": served_modes, "served_peak_bytes": served_peak,
+            "served_held_bytes": served_held}
 
 
 def main() -> None:
@@ -185,13 +229,15 @@ def main() -> None:
     ap.add_argument("--no-decode", action="store_true", help="leave out the rows with decode")
     ap.add_argument("--explain", action="store_true",
                     help="record CUDA memory history: the largest live allocations outside the pool, by site")
+    ap.add_argument("--served", type=int, default=0,
+                    help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     if args.one:
         backend, ceiling, warm_up, decode = (args.one.split(":") + ["-"])[:4]
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
-                             warm_up == "pool", decode, args.decode_batch, args.explain)))
+                             warm_up == "pool", decode, args.decode_batch, args.explain, args.served)))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
@@ -207,7 +253,8 @@ def main() -> None:
     for backend, ceiling, warm_up, decode in runs:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
-               f"{backend}:{ceiling}:{warm_up}:{decode}"] + (["--explain"] if args.explain else [])
+               f"{backend}:{ceiling}:{warm_up}:{decode}", "--served", str(args.served)] + \
+            (["--explain"] if args.explain else [])
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
         rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling, "warm_up": warm_up,
@@ -232,6 +279,12 @@ def main() -> None:
             eager = base_of("eager") if r["decode"] != "-" else None
             r["vs_same_decode"] = r["above_baseline_bytes"] / same if same else None
             r["vs_all_eager"] = r["above_baseline_bytes"] / eager if eager else None
+            if r.get("served_peak_bytes") is not None:
+                served_base = next((x.get("served_peak_bytes") for x in rows if x.get("backend") == "none"
+                                    and x.get("decode") == r["decode"]), None)
+                r["served_peak_GiB"] = r["served_peak_bytes"] / 2**30
+                r["served_held_GiB"] = r["served_held_bytes"] / 2**30
+                r["served_vs_no_graph"] = r["served_peak_bytes"] / served_base if served_base else None
     print("peak and held: GiB the allocator reserves above the model (peak from before capture to after a "
           f"chunk-size prefill; held after it); vs_no_graph over the eager peak ({(baseline or 0) / 2**30:.3f} GiB); "
           "vs_same_decode over the row without prefill graphs and the same decode; vs_all_eager over no graphs "
@@ -239,6 +292,11 @@ def main() -> None:
     print_table(rows, ["backend", "ceiling", "warm_up", "decode", "mode", "shapes", "failed", "build_s", "compile_s",
                        "capture_s", "peak_GiB", "held_GiB", "pool_GiB", "outside_GiB", "vs_no_graph",
                        "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
+    if args.served:
+        print(f"after {args.served} more prefills of a serving history: served_vs_no_graph is the served peak "
+              "over the no-prefill-graph row's of the same decode mode")
+        print_table(rows, ["backend", "ceiling", "warm_up", "decode", "served_modes", "served_peak_GiB",
+                           "served_held_GiB", "served_vs_no_graph"])
     for r in rows:
         for where, key in (("outside the pool", "outside_sites"), ("live in the pool", "pool_live_sites")):
             for site in r.get(key) or []:

@@ -58,7 +58,7 @@ class _OpenStream:
         try:
             for line in self.resp:
                 self.chunks += line.startswith(b"data: ")
-        except (OSError, ValueError):  # cut
+        except (OSError, ValueError, AttributeError):  # cut (http.client's response may be closed under us)
             pass
 
     def cut(self) -> float:
