@@ -101,13 +101,16 @@ def phase_means_ms(after: dict[str, tuple[float, float]], before: dict[str, tupl
 
 def gc_pause_totals(text: str) -> dict[str, float]:
     """Garbage collections in a ``/metrics`` text (``graphfleet_gc_pause_seconds``, every process
-    summed): ``gen<g>_count`` and ``gen<g>_s`` per generation (2 = full collections)."""
+    summed): ``gen<g>_count`` and ``gen<g>_s`` per generation (2 = full collections); and the
+    replica process's CPU seconds (``replica_cpu_s``, when it reports them)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in ("graphfleet_gc_pause_seconds_count", "graphfleet_gc_pause_seconds_sum"):
                 key = f"gen{s.labels['generation']}_{'count' if s.name.endswith('_count') else 's'}"
                 out[key] = out.get(key, 0.0) + s.value
+            elif s.name == "graphfleet_replica_process_cpu_seconds_total":
+                out["replica_cpu_s"] = s.value
     return out
 
 
@@ -288,7 +291,11 @@ def main(argv: list[str] | None = None) -> None:
                      "decode_fallbacks": reasons, **phases,
                      "gc_full_collections": gc_during.get("gen2_count", 0.0),
                      "gc_full_ms": 1e3 * gc_during.get("gen2_s", 0.0),
-                     "gc_all_ms": 1e3 * sum(v for k, v in gc_during.items() if k.endswith("_s"))})
+                     "gc_all_ms": 1e3 * sum(v for k, v in gc_during.items()
+                                            if k.startswith("gen") and k.endswith("_s")),
+                     "replica_cpu_s": gc_during.get("replica_cpu_s"),
+                     "replica_cpu_ms_per_request": (1e3 * gc_during["replica_cpu_s"] / len(records)
+                                                    if "replica_cpu_s" in gc_during and records else None)})
     if compare is not None:
         max_len, source = model_max_len(card, path)
         tokens = capped_compare_tokens(args.compare_tokens, args.input_len, max_len)
@@ -310,9 +317,11 @@ def main(argv: list[str] | None = None) -> None:
                  "e2e_p50_ms", "e2e_p99_ms", "decode_graph_hit_ratio"])
     print("TTFT by phase (means, ms; from /metrics): preprocess + queue + prefill + overhead = ttft")
     print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows], ["rate", *(f"{k}_mean_ms" for k in TTFT_PHASES)])
-    print("Garbage collection in the replica and the ranks during each rate (graphfleet_gc_pause_seconds)")
+    print("Garbage collection in the replica and the ranks during each rate (graphfleet_gc_pause_seconds), and "
+          "the replica process's CPU (graphfleet_replica_process_cpu_seconds_total)")
     print_table([{**r, "rate": f"{r['rate']:g}"} for r in rows], ["rate", "gc_full_collections", "gc_full_ms",
-                                                                     "gc_all_ms"])
+                                                                     "gc_all_ms", "replica_cpu_s",
+                                                                     "replica_cpu_ms_per_request"])
     if compare is not None:
         print(f"--compare, Serve side: {compare['repeats']} runs of {compare['batch']} requests x "
               f"{compare['tokens']} tokens (window_s, first token spread, chunk gap: see bench/README.md)")

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from worker.gc_heap import watch_gc
 
@@ -38,7 +38,8 @@ class ApiMetrics:
     ``num_requests_running`` / ``num_requests_waiting``, ``kv_cache_usage_ratio{group,role}`` and
     ``graphfleet_api_rejected{reason}``, ``graphfleet_gil_switch_interval_seconds`` and
     ``graphfleet_gc_frozen_objects`` / ``graphfleet_gc_pause_seconds`` with ``process="replica"``
-    (worker.gc_heap.watch_gc: build it once per process)."""
+    (worker.gc_heap.watch_gc: build it once per process), and the replica process's own
+    ``graphfleet_replica_process_cpu_seconds_total``, resident memory and open files (Linux)."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = reg = CollectorRegistry()
@@ -76,6 +77,7 @@ class ApiMetrics:
                                 "sys.getswitchinterval() (serve.gil_switch_interval_ms)", registry=reg)
         self.gil_switch.set_function(sys.getswitchinterval)
         watch_gc(reg, {"process": "replica"})
+        ProcessCollector(namespace="graphfleet_replica", registry=reg)  # reads /proc/self at each scrape
         self.stream_interval = Gauge("graphfleet_stream_batching_interval_seconds", "How long a streamed "
                                      "choice's tokens wait to go out together now (it follows the open "
                                      "streams: serve.stream_chunks_per_s)", registry=reg)

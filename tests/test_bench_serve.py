@@ -268,10 +268,14 @@ graphfleet_gc_pause_seconds_count{generation="2",group="d0",rank="0",role="decod
 graphfleet_gc_pause_seconds_sum{generation="2",group="d0",rank="0",role="decode"} 0.05
 graphfleet_gc_pause_seconds_count{generation="0",process="replica"} 40.0
 graphfleet_gc_pause_seconds_sum{generation="0",process="replica"} 0.004
+# HELP graphfleet_replica_process_cpu_seconds_total Total user and system CPU time spent in seconds.
+# TYPE graphfleet_replica_process_cpu_seconds_total counter
+graphfleet_replica_process_cpu_seconds_total 12.5
 """
     totals = gc_pause_totals(text)
     assert totals["gen2_count"] == 3 and totals["gen2_s"] == pytest.approx(0.30)
     assert totals["gen0_count"] == 40 and totals["gen0_s"] == pytest.approx(0.004)
+    assert totals["replica_cpu_s"] == 12.5
     assert gc_pause_totals("") == {}
 
 

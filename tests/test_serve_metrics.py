@@ -155,6 +155,17 @@ def test_gil_switch_interval_is_set_in_the_replica(server):
     assert total(scrape(server), "graphfleet_gil_switch_interval_seconds") == pytest.approx(0.002)
 
 
+def test_the_replica_reports_its_process_cpu_and_memory(server, client):
+    """``graphfleet_replica_process_*`` (prometheus_client's process collector on the replica's registry):
+    its CPU seconds grow with the requests it serves."""
+    before = total(scrape(server), "graphfleet_replica_process_cpu_seconds_total")
+    for _ in range(3):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=8)
+    after = scrape(server)
+    assert total(after, "graphfleet_replica_process_cpu_seconds_total") > before > 0
+    assert total(after, "graphfleet_replica_process_resident_memory_bytes") > 50 * 2**20
+
+
 def test_kv_usage_while_a_request_runs(server, client):
     """A long stream holds pages on the decode group; once it is closed (aborted), usage is back to 0."""
     max_len = client.models.list().data[0].model_extra["max_model_len"]
