@@ -73,8 +73,8 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
     metrics.stream_interval.set_function(pacer.interval_s)
 
     def stream_settings(req: p.CompletionRequest | p.ChatCompletionRequest) -> StreamSettings:
-        opts = req.stream_options or p.StreamOptions()
-        return StreamSettings(opts.include_usage, opts.continuous_usage_stats, pacer)
+        opts = req.stream_options or p.StreamOptions()  # continuous usage only with usage, as vLLM's
+        return StreamSettings(opts.include_usage, bool(opts.include_usage and opts.continuous_usage_stats), pacer)
     app = FastAPI(title="graphfleet", description="OpenAI-compatible API of a graphfleet fleet")
 
     # ----- errors -----

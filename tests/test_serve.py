@@ -280,6 +280,14 @@ def test_sse_wire_format(server):
     assert status == 200 and hdrs["content-type"].startswith("text/event-stream")
     events = [e for e in text.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks and not any("usage" in c for c in chunks), "usage not asked for: no usage key (OpenAI's)"
+
+    status, text, _ = _http("POST", f"{server}/v1/completions",
+                            {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True, "ignore_eos": True,
+                             "stream_options": {"include_usage": True}}, {"Authorization": f"Bearer {API_KEY}"})
+    chunks = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 BAD = [
