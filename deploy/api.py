@@ -286,6 +286,7 @@ def _model_response(body: BaseModel) -> Response:
     log-probabilities run to thousands of entries: model_dump then json.dumps costs several times more)."""
     return Response(body.model_dump_json(), media_type="application/json")
 
+
 def _usage(jobs: list[Job], outs, prompt_only: bool = False) -> p.Usage:
     prompt = sum(j.prompt_len for j in jobs)
     completion = 0 if prompt_only else sum(len(o.token_ids) for o in outs)
