@@ -193,6 +193,11 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
             metrics.rejected.labels(reason="client_closed").inc()
             raise ApiError(499, "the client closed the connection before it sent the whole body",
                            code="client_closed") from None
+        except asyncio.CancelledError:
+            # Serve cancels the request when its client goes away behind the proxy; with the API on
+            # Serve's own loop that arrives here as the task's cancellation, not as a disconnect.
+            metrics.rejected.labels(reason="client_closed").inc()
+            raise
         prepared = await preprocessor.prepare(route, body, fleet.prompt_limits)
         check_model(prepared.request.model)
         return prepared
