@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.common import add_preset_arguments, environment, print_table, write_results  # noqa: E402
 from bench.engine import decode_step_times, ensure_checkpoint  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from worker.engine import Engine  # noqa: E402
@@ -144,12 +144,9 @@ def bench_preset(path: Path, batches: list[int], context: int, repeats: int, rou
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="tinyllama-1.1b,llama-3-8b")
-    ap.add_argument("--batches", default="1,64,256")
-    ap.add_argument("--context", type=int, default=512)
+    add_preset_arguments(ap, presets="tinyllama-1.1b,llama-3-8b", batches="1,64,256")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--no-freeze-gc", action="store_true",
                     help="leave the engine's startup heap to the garbage collector (a serving rank freezes it)")
     args = ap.parse_args()

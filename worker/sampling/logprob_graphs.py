@@ -161,7 +161,7 @@ class LogprobGraphs:
 
         The tokens are a view of a static buffer, as the outputs are: the next call of the shape
         overwrites them, after the step's read-back copy in stream order (the module docstring)."""
-        served = self._lookup(unbiased, width) if self._is_static_rows(unbiased) else None
+        served = self._static_served(unbiased, width)
         if served is None:
             return None
         torch.argmax(unbiased, dim=-1, out=served.tokens)  # upcasting is exact: any dtype's argmax
@@ -169,8 +169,12 @@ class LogprobGraphs:
 
     def token_rows(self, unbiased: torch.Tensor, width: int) -> torch.Tensor | None:
         """The static token rows :meth:`greedy` writes for ``unbiased``, or None when it would not."""
-        served = self._lookup(unbiased, width) if self._is_static_rows(unbiased) else None
+        served = self._static_served(unbiased, width)
         return None if served is None else served.tokens
+
+    def _static_served(self, unbiased: torch.Tensor, width: int) -> _Served | None:
+        """:meth:`_lookup` for logits that are the static input's own rows, else None."""
+        return self._lookup(unbiased, width) if self._is_static_rows(unbiased) else None
 
     def _is_static_rows(self, unbiased: torch.Tensor) -> bool:
         """Whether ``unbiased`` is the static input's own rows ``[0, n)`` (nothing to copy in)."""
