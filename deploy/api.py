@@ -195,7 +195,7 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
                            code="client_closed") from None
         except asyncio.CancelledError:
             # Serve cancels the request when its client goes away behind the proxy; with the API on
-            # Serve's own loop that arrives here as the task's cancellation, not as a disconnect.
+            # Serve's own loop (not the default) that arrives here as the task's cancellation.
             metrics.rejected.labels(reason="client_closed").inc()
             raise
         prepared = await preprocessor.prepare(route, body, fleet.prompt_limits)

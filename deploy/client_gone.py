@@ -6,9 +6,9 @@ an application error: each hung-up stream logged a traceback ("unhandled error")
 short ended as a 500 with one, thousands under a fault soak. :class:`ClientGone` turns the
 cancellation back into ``http.disconnect``, so a streaming response stops as it does on
 disconnect, and a body read raises Starlette's ``ClientDisconnect`` (the API answers it 499,
-counted as ``graphfleet_api_rejected_total{reason="client_closed"}``). With the API on Serve's own
-event loop (``deploy.serve_app.REPLICA_ENV``) the cancellation may instead reach the request's task
-as ``asyncio.CancelledError``, which ends it quietly by itself; a body read counts that one too.
+counted as ``graphfleet_api_rejected_total{reason="client_closed"}``). Should the cancellation
+reach the request's task as ``asyncio.CancelledError`` instead (the API on Serve's own event loop,
+``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``), it ends it quietly by itself; a body read counts it too.
 """
 
 from __future__ import annotations

@@ -163,20 +163,10 @@ def deployment_options(serve_config) -> dict:
             "graceful_shutdown_wait_loop_s": 0.5, "max_ongoing_requests": serve_config.max_ongoing_requests}
 
 
-#: The replica's process environment. User code on Serve's own event loop, not on a loop of its
-#: own in a second thread, as Ray Serve LLM's replicas run (every request and every stream chunk
-#: crossed between the two threads, under one GIL): the replica's CPU for six bursts of 64
-#: streams fell 11-19% (364-388 against 394-449 ticks, tiny-llama on the 2-core CPU machine).
-#: Safe because nothing here blocks the loop: the fleet steps in threads of its own, bodies are
-#: prepared in processes, and blocking fleet calls go through ``asyncio.to_thread``.
-REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-
-
 # These options are deployment_options() of the default serve section; deployment() binds a config's.
 @serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=100_000,
                   graceful_shutdown_timeout_s=60, graceful_shutdown_wait_loop_s=0.5, health_check_period_s=10,
-                  health_check_timeout_s=60,
-                  ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": REPLICA_ENV}})
+                  health_check_timeout_s=60, ray_actor_options={"num_cpus": 1})
 @serve.ingress()
 class OpenAIIngress:
     """Serves the fleet of ``config`` (a Config as a dict) started with ``fleet_options`` (``Fleet.start``'s
