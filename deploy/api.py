@@ -188,7 +188,7 @@ def build_app(fleet, tokenizer, config, preprocessor: Preprocessor) -> FastAPI:
         check_auth(request)
         check_ready()
         try:
-            body = await request.body()
+            body = await preprocessor.read(request.stream())
         except ClientDisconnect:
             metrics.rejected.labels(reason="client_closed").inc()
             raise ApiError(499, "the client closed the connection before it sent the whole body",

@@ -24,6 +24,7 @@ from typing import Any
 
 from deploy.errors import ApiError
 from deploy.preprocess import PreparedRequest, prepare
+from deploy.shared_bodies import SHARED_BODY_BYTES, SharedBodies, SharedBody, read_body
 from worker.admission import PromptLimits
 from worker.tokenizer import Tokenizer, load_tokenizer
 
@@ -32,8 +33,6 @@ log = logging.getLogger("ray.serve").getChild("graphfleet")
 __all__ = ["MAX_BODIES_PER_CALL", "SHARED_BODY_BYTES", "Preprocessor"]
 
 
-#: Bodies larger than this go to a pool worker in shared memory instead of through the pool's pipe.
-SHARED_BODY_BYTES = 256 * 1024
 #: Most bodies one call to a pool worker prepares (see :class:`Preprocessor`).
 MAX_BODIES_PER_CALL = 16
 _worker_tokenizer: Tokenizer | None = None  # a pool worker's tokenizer, loaded once when it starts
@@ -99,18 +98,21 @@ class Preprocessor:
     a round trip whatever it carries: 64 bodies of 512 token ids sent at once took a median 82 ms
     through two workers one call each, 64 ms one body a call through this queue, 25 ms up to 16 a
     call, against 0.27-0.35 ms apiece to prepare (2-core CPU machine, 10 bursts each).
-    A body's own failure is its answer alone. Bodies over :data:`SHARED_BODY_BYTES` go alone.
+    A body's own failure is its answer alone. Bodies over :data:`SHARED_BODY_BYTES` go alone, in
+    shared memory: :attr:`bodies` keeps one segment of ``max_body_bytes`` per worker for them
+    (:mod:`deploy.shared_bodies`; read a body into one with :meth:`read`).
 
     A request whose worker dies (killed, out of memory) gets a 500 naming it, as does every body of
     that call; the pool is replaced, and later requests go on. :meth:`shutdown` ends the workers.
     """
 
     def __init__(self, model_path: str, workers: int, inline_bytes: int = 0,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, max_body_bytes: int = 16 * 1024 * 1024) -> None:
         self._model_path, self._workers = str(model_path), workers
         self._inline_bytes = inline_bytes
         self._tokenizer = tokenizer  # the replica's, for the bodies prepared inline
         self._pool = self._new_pool()
+        self.bodies = SharedBodies(workers, max_body_bytes)
         # Event-loop state (touched only on the loop that runs prepare): bodies not yet handed to
         # a worker, and calls under way.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,33 +126,51 @@ class Preprocessor:
             pool.submit(_ready)
         return pool
 
-    async def prepare(self, route: str, raw: bytes, limits: PromptLimits) -> PreparedRequest:
+    async def read(self, chunks) -> bytes | SharedBody:
+        """A request's body from its ``chunks`` (``request.stream()``), a large one straight into
+        shared memory: :func:`deploy.shared_bodies.read_body`. Hand the result to :meth:`prepare`."""
+        return await read_body(chunks, self.bodies)
+
+    async def prepare(self, route: str, raw: bytes | SharedBody, limits: PromptLimits) -> PreparedRequest:
         """:func:`prepare` of ``raw``, here if it is at most ``inline_bytes`` long, else in a worker;
         raises its :class:`ApiError`.
 
         A body over :data:`SHARED_BODY_BYTES` goes to the worker in shared memory: through the pool's
         pipe (64 KiB at a time, each piece a wake-up of both processes) a 10 MB body took 0.25-0.3 s
-        on a 2-core machine, during which the streams of other requests stalled.
+        on a 2-core machine, during which the streams of other requests stalled. Its segment is
+        given back when the worker is done with it, even if this request is cancelled first.
         """
-        if len(raw) <= self._inline_bytes:
+        if isinstance(raw, bytes) and len(raw) > SHARED_BODY_BYTES:
+            raw = self.bodies.one_off(raw)
+        if isinstance(raw, SharedBody):
+            result = await self._shared(route, raw, limits)
+        elif len(raw) <= self._inline_bytes:
             return prepare(route, raw, self._tokenizer, limits)
-        if len(raw) <= SHARED_BODY_BYTES:
-            result = await self._batched(route, raw, limits)
         else:
-            pool, shm = self._pool, shared_memory.SharedMemory(create=True, size=len(raw))
-            try:
-                shm.buf[:len(raw)] = raw
-                result = await asyncio.wrap_future(pool.submit(_prepare_in_worker, route, (shm.name, len(raw)),
-                                                               limits))
-            except BrokenProcessPool:
-                self._replace(pool)
-                raise _died() from None
-            finally:
-                shm.close()
-                shm.unlink()
+            result = await self._batched(route, raw, limits)
         if isinstance(result, BaseException):
             raise result
         return result
+
+    async def _shared(self, route: str, body: SharedBody, limits: PromptLimits) -> Any:
+        pool = self._pool
+        try:
+            submitted = pool.submit(_prepare_in_worker, route, (body.name, body.size), limits)
+        except BrokenProcessPool:
+            self.bodies.give_back(body)
+            self._replace(pool)
+            raise _died() from None
+        except RuntimeError:  # the pool was shut down
+            self.bodies.give_back(body)
+            raise _shutting_down() from None
+        # Given back from the pool's thread once the worker is done (or the call never ran): a
+        # cancelled request must not free a segment a worker still reads.
+        submitted.add_done_callback(lambda _: self.bodies.give_back(body))
+        try:
+            return await asyncio.wrap_future(submitted)
+        except BrokenProcessPool:
+            self._replace(pool)
+            raise _died() from None
 
     async def _batched(self, route: str, raw: bytes, limits: PromptLimits) -> Any:
         loop = asyncio.get_running_loop()
@@ -207,7 +227,9 @@ class Preprocessor:
             self._pool = self._new_pool()
 
     def shutdown(self) -> None:
+        """End the workers and remove the kept body segments."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.bodies.close()
 
 
 def _settle(batch: list, results: list) -> None:

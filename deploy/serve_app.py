@@ -190,7 +190,8 @@ class OpenAIIngress:
         self._drain_task: asyncio.Future | None = None
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.preprocessor = Preprocessor(self.config.model.path, self.config.serve.preprocess_workers,
-                                         self.config.serve.preprocess_inline_bytes, self.tokenizer)
+                                         self.config.serve.preprocess_inline_bytes, self.tokenizer,
+                                         max_body_bytes=self.config.serve.max_request_bytes)
         self.fleet = StartingFleet(self.config, dict(fleet_options or {}), self.tokenizer)
 
     def __serve_build_asgi_app__(self):

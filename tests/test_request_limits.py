@@ -11,7 +11,12 @@ the 64 MiB body's 413 in 4-10 ms, the 10 MB prompt's 400 in 71-121 ms (asserted 
 through Serve's proxy 147-423 ms, of which about 220 ms carried the body from the proxy to the
 replica), ``/health`` at most 16-25 ms (asserted under the issue's 100 ms; through the proxy 65-183
 ms), and every stream's longest gap in the hostile window 1.1-1.6x its median gap (asserted under 250 ms or the
-issue's 2x). The streams ask for ``logprobs: 0``, so every token reaches them in a chunk: without it
+issue's 2x). By 1070efd (2026-12-05) the 10 MB prompt's 400 had grown to 450-580 ms and ``/health`` to
+45-215 ms, failing this test in three fresh-clone suites and alone: per body the replica's loop wrote two
+fresh 10 MB regions (the chunks joined, then a new shared-memory segment), page by page, on a virtual
+machine whose host backs memory as it is first touched. Read straight into a segment the replica keeps
+(:mod:`deploy.shared_bodies`), three runs gave 67-80 ms, ``/health`` at most 8-20 ms and stream gaps
+at most 0.9-1.7x their median. The streams ask for ``logprobs: 0``, so every token reaches them in a chunk: without it
 a token whose text is held back (a split character, a skipped special token: the random-weight
 model emits runs of 20-35 such) sends no chunk, and those runs, not the server, made the "12-15x"
 this test printed before. Before the engine moved out of the replica: 0.58-0.95 s,

@@ -39,7 +39,8 @@ class ServeConfig(Section):
         with finish_reason "abort" (>= 0). Serve's ``graceful_shutdown_timeout_s`` and the pods'
         termination grace period follow it (:func:`deploy.serve_app.deployment_options`, the chart).
     max_request_bytes: a request body over this many bytes gets 413 before any of it is read or parsed
-        (>= 1024; default 16 MiB).
+        (>= 1024; default 16 MiB). The replica keeps one shared-memory segment of this size per
+        preprocessing worker in ``/dev/shm`` for large bodies (:mod:`deploy.shared_bodies`).
     preprocess_workers: processes that turn request bodies into admitted prompts (parse the JSON, render
         the chat template, tokenize) so none of it holds the replica's GIL (1..64;
         :class:`deploy.preprocess_pool.Preprocessor`).
