@@ -154,13 +154,22 @@ SHUTDOWN_MARGIN_S = 30.0
 RESPONSE_FLUSH_S = 5.0
 
 
+#: The replica's environment under ``serve.api_on_serve_loop``: the API on Serve's own event loop.
+SERVE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
 def deployment_options(serve_config) -> dict:
     """The Serve deployment options ``serve_config`` (the ``serve`` section) implies:
     ``graceful_shutdown_timeout_s`` = ``drain_timeout_s`` + ``SHUTDOWN_MARGIN_S`` (Serve force-kills a replica
     after it), a short ``graceful_shutdown_wait_loop_s`` (Serve sleeps one loop before it calls ``__del__``),
-    and ``max_ongoing_requests``."""
+    ``max_ongoing_requests``, and the replica's actor options (one CPU; :data:`SERVE_LOOP_ENV` in its
+    environment under ``api_on_serve_loop``)."""
+    actor: dict[str, Any] = {"num_cpus": 1}
+    if serve_config.api_on_serve_loop:
+        actor["runtime_env"] = {"env_vars": dict(SERVE_LOOP_ENV)}
     return {"graceful_shutdown_timeout_s": serve_config.drain_timeout_s + SHUTDOWN_MARGIN_S,
-            "graceful_shutdown_wait_loop_s": 0.5, "max_ongoing_requests": serve_config.max_ongoing_requests}
+            "graceful_shutdown_wait_loop_s": 0.5, "max_ongoing_requests": serve_config.max_ongoing_requests,
+            "ray_actor_options": actor}
 
 
 # These options are deployment_options() of the default serve section; deployment() binds a config's.

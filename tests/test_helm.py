@@ -176,6 +176,21 @@ def test_shutdown_follows_the_drain_timeout(case, drain_timeout, tmp_path):
             in command[2] and f"+ {budget}))" in command[2]
 
 
+@pytest.mark.parametrize("serve_loop", [False, True])
+def test_the_replica_actor_options_follow_the_config(serve_loop):
+    """The chart renders the ingress replica's actor options as ``deployment_options`` builds them for
+    ``graphfleet serve``: one CPU, and the API on Serve's own loop only under serve.api_on_serve_loop."""
+    from deploy.config.schema import ServeConfig
+    from deploy.serve_app import SERVE_LOOP_ENV, deployment_options
+
+    docs = helm_template(sets=[f"config.serve.api_on_serve_loop={str(serve_loop).lower()}"])
+    (rayservice,) = by_kind(docs, "RayService")
+    [deployment] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["deployments"]
+    options = deployment_options(ServeConfig(api_on_serve_loop=serve_loop))["ray_actor_options"]
+    assert deployment["ray_actor_options"] == options
+    assert options.get("runtime_env", {}).get("env_vars") == (SERVE_LOOP_ENV if serve_loop else None)
+
+
 def test_worker_prestop_waits_while_the_app_drains(tmp_path):
     """The worker's preStop (rendered, run by bash with wget) against a real HTTP server: it returns at
     once after the head start while the app is ready, and only once a draining app has stopped."""
