@@ -34,13 +34,17 @@ _PAGE_RUN = 1 << 20  # bytes written at a time when a segment is first written t
 
 @dataclass(eq=False)
 class SharedBody:
-    """A body of ``size`` bytes at the start of shared-memory segment ``name``; a worker reads it by
-    (``name``, ``size``). Give it back with :meth:`SharedBodies.give_back` once no worker reads it."""
+    """A body of ``size`` bytes at the start of shared-memory ``segment``; a worker reads it by
+    (:attr:`name`, ``size``). Give it back with :meth:`SharedBodies.give_back` once no worker reads it."""
 
-    name: str
     size: int
     segment: shared_memory.SharedMemory = field(repr=False)
     kept: bool  # one of the replica's kept segments (else made for this body alone, unlinked after)
+
+    @property
+    def name(self) -> str:
+        """The segment's name, by which a worker attaches to it."""
+        return self.segment.name
 
 
 class SharedBodies:
@@ -91,7 +95,7 @@ class SharedBodies:
         """``data`` in a segment made for it alone (unlinked by :meth:`give_back`)."""
         segment = shared_memory.SharedMemory(create=True, size=len(data))
         segment.buf[:len(data)] = data
-        return SharedBody(segment.name, len(data), segment, kept=False)
+        return SharedBody(len(data), segment, kept=False)
 
     def close(self) -> None:
         """Remove every kept segment (the replica is ending; no worker reads them any more)."""
@@ -152,6 +156,6 @@ async def read_body(chunks: AsyncIterator[bytes], bodies: SharedBodies) -> bytes
             bodies.free(segment)
         raise
     if segment is not None:
-        return SharedBody(segment.name, size, segment, kept=True)
+        return SharedBody(size, segment, kept=True)
     data = b"".join(pieces)
     return data if size <= SHARED_BODY_BYTES else bodies.one_off(data)

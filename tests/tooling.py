@@ -7,6 +7,7 @@ naming the install step, only where that did not happen (a bare ``pytest`` on a 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -67,3 +68,15 @@ def chart_values(case: str) -> dict:
     for path in CASES[case]:
         merged = merge(merged, yaml.safe_load(path.read_text()))
     return merged
+
+
+def rendered_case(case: str) -> tuple[str, dict, list[dict]]:
+    """(case name, merged values, rendered documents) of one of :data:`CASES`."""
+    return case, chart_values(case), helm_template(CASES[case])
+
+
+def shutdown_budget(values: dict) -> tuple[int, int]:
+    """(drain budget, termination grace period) as values.yaml's `shutdown` comment defines them."""
+    sh = values["shutdown"]
+    budget = math.ceil(values["config"]["serve"]["drain_timeout_s"] + sh["drainMarginSeconds"])
+    return budget, math.ceil(budget + sh["workerHeadStartSeconds"] + sh["rayStopSeconds"])
