@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -326,8 +327,8 @@ def test_no_host_sync_on_cuda():
               SamplingParams(top_p=0.9, min_p=0.05), SamplingParams(min_p=0.1),
               SamplingParams(temperature=0, logit_bias={5: 100, 9: -100})]
     logits = torch.randn(len(params), 152064, device=dev, dtype=torch.bfloat16)
-    for width in (0, MAX_TOP_LOGPROBS):  # what a model runner does at start: the probe synchronises, once
-        fused_tail(dev, logits.shape[1], width, logits.dtype)
+    for width, dtype in itertools.product((0, MAX_TOP_LOGPROBS), (torch.float32, logits.dtype)):
+        fused_tail(dev, logits.shape[1], width, dtype)  # as a model runner does at start: a probe synchronises
     for group in (params, params[:1], params[1:2], params[2:3], params[4:5], params[5:]):
         batch = SamplingBatch.build(group, list(range(len(group))), [3] * len(group), dev)
         torch.cuda.synchronize()
