@@ -55,6 +55,14 @@ PEERS = {"vllm": ("vllm", [], []), "vllm-no-prefix-cache": ("vllm", [], ["--no-e
          "graphfleet-least-loaded": ("graphfleet", ["cluster.routing=least_loaded"], [])}
 
 
+def early_starts(peers: list[str]) -> list[str]:
+    """The peers ``--overlap-start`` starts together: every vLLM server (each its own process) and the first
+    graphfleet peer only, since Ray and Serve run in this process, once at a time; a later graphfleet peer
+    starts when the one before it has stopped."""
+    first = next((p for p in peers if PEERS[p][0] == "graphfleet"), None)
+    return [p for p in peers if PEERS[p][0] == "vllm" or p == first]
+
+
 def prefix_cache_counts(base: str) -> tuple[float, float]:
     """(hit tokens, queried tokens) of the prefix cache, summed over every series of ``/metrics`` whose
     name ends in ``prefix_cache_hits_total`` / ``prefix_cache_queries_total`` (0, 0 without them)."""
@@ -241,11 +249,11 @@ def main() -> None:
         kind, sets, vllm_args = PEERS[peer]
         return kinds[kind](path, args, sets if kind == "graphfleet" else vllm_args)
 
-    # --overlap-start: every server starts now (the next once vLLM has sized its KV cache) and the loads run
-    # one after the other, each while the other server idles (holding GPU memory, not compute); else each
-    # server starts after the last one stopped.
+    # --overlap-start: the servers of early_starts start now (the next once vLLM has sized its KV cache) and the
+    # loads run one after the other, each while the other servers idle (holding GPU memory, not compute); else
+    # each server starts after the last one stopped.
     started = {}
-    for peer in peers if args.overlap_start else ():
+    for peer in early_starts(peers) if args.overlap_start else ():
         started[peer] = starters(peer)
         if isinstance(started[peer], VllmServer) and started[peer].proc is not None:
             started[peer].wait_profiled()

@@ -298,3 +298,12 @@ def test_prefix_cache_counts_sum_ours_and_vllms_series_and_shared_prefix_prompts
     assert all(len(p) == 21 and p[:16] == prompts[0][:16] for p in prompts)
     assert len({tuple(p[16:]) for p in prompts}) == 4
     assert shared_prefix_prompts(1, 16, 5, 1000, seed=4)[0][:16] != prompts[0][:16]
+
+
+def test_overlap_start_starts_every_vllm_server_and_one_graphfleet_app():
+    from bench.serve_vs_vllm import early_starts
+
+    peers = ["vllm", "vllm-no-prefix-cache", "graphfleet", "graphfleet-no-prefix-cache"]
+    assert early_starts(peers) == ["vllm", "vllm-no-prefix-cache", "graphfleet"]
+    assert early_starts(["graphfleet-no-prefix-cache", "vllm", "graphfleet"]) == ["graphfleet-no-prefix-cache", "vllm"]
+    assert early_starts(["vllm"]) == ["vllm"]
