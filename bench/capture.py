@@ -9,7 +9,11 @@
    largest chunk still runs eagerly and keeps its activation peak; at 1x it replays inside graph
    memory. ``peak``: the most the allocator reserved from before capture to after the prefill
    (what the KV cache must leave room for); ``held``: what it still reserves after the prefill
-   (what a serving process keeps); ``pool``: the graph pool's share of that.
+   (what a serving process keeps); ``pool``: the graph pool's share of that; ``live_peak``: the
+   most it had handed out at once (reserved above that is the caching allocator's slack).
+   A configuration's fifth field, ``capture``, runs the prefill's eager LM head on the capture
+   stream instead of the current one: one cuBLAS workspace instead of two (torch keeps one per
+   handle and stream, a handle per thread; here one thread does everything).
 3. Warm-ups inside the graph pool (``graphs.warm_up_in_pool``, the default) beside warm-ups
    outside it, for breakable and full at the chunk size.
 4. The serving process's view (``decode`` column): every server also decodes. ``eager``: after the
@@ -101,15 +105,19 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
 
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
-        decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0) -> dict:
+        decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
+        lm_head: str = "compute") -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
     with ``decode``, capture decode graphs and run one decode step at ``decode_batch``), then
-    ``served`` prefills of :func:`served_history`."""
+    ``served`` prefills of :func:`served_history`. ``lm_head``: the stream of the prefill's eager LM
+    head, ``compute`` (the current one, as the worker runs it) or ``capture`` (the process's capture
+    stream, ordered both ways: torch keys a cuBLAS workspace by handle and stream, so this row shows
+    what one workspace instead of two saves)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
     from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-    from graphs.process import graph_pool, pool_bytes
+    from graphs.process import capture_stream, graph_pool, pool_bytes
     from worker.attention.base import AttentionBatch
     from worker.attention.factory import create_attention_backend
     from worker.kv_cache import KVCacheShape, PagedKVCache
@@ -129,7 +137,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     torch.cuda.synchronize()
     if explain:
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=200_000)
-    base = torch.cuda.memory_reserved()
+    base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
     if ceiling is not None:
@@ -154,6 +162,16 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     torch.cuda.reset_peak_memory_stats()
     from graphs.prefill import LivePrefillBatch
 
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        if lm_head == "compute":
+            return model.compute_logits(hidden)
+        stream, current = capture_stream(cuda), torch.cuda.current_stream(cuda)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            out = model.compute_logits(hidden)
+        current.wait_stream(stream)
+        return out
+
     def prefill(lengths: list[int]) -> str:
         """One prefill step of requests of ``lengths`` tokens (pages from 1 on), as a server runs
         it: replayed when the runner covers it, else eager; the LM head eagerly on the sampled rows."""
@@ -172,7 +190,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
         else:
             attention.plan(live.attention)
             hidden, how = model(ids, pos, attention).index_select(0, last), "eager"
-        model.compute_logits(hidden)
+        logits(hidden)
         return how
 
     # A chunk of exactly ``chunk`` tokens, split into requests no longer than the model's
@@ -192,6 +210,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     torch.cuda.synchronize()
     held = torch.cuda.memory_reserved() - base
     peak = torch.cuda.max_memory_reserved() - base
+    live_peak = torch.cuda.max_memory_allocated() - base_allocated
     in_pool = pool_bytes(pool)
     served_peak = served_held = None
     served_modes: dict[str, int] = {}
@@ -204,17 +223,32 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
         served_held = torch.cuda.memory_reserved() - base
     sites = [{"site": k, "MiB": v / 2**20} for k, v in outside_pool_sites(pool)] if explain else None
     pool_live = [{"site": k, "MiB": v / 2**20} for k, v in pool_sites(pool, True)] if explain else None
-    return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode,
+    return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode, "lm_head": lm_head,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
             "shapes": len(runner.ladder) if runner else 0,
-            "above_baseline_bytes": peak,
+            "above_baseline_bytes": peak, "live_peak_bytes": live_peak,
             "held_bytes": held, "pool_bytes": in_pool,
             "served": served, "served_modes": served_modes, "served_peak_bytes": served_peak,
             "served_held_bytes": served_held}
+
+
+def parse_config(spec: str) -> tuple[str, str, str, str, str]:
+    """``backend:ceiling:warm_up[:decode[:lm_head]]`` as a 5-tuple (decode ``-`` and lm_head ``compute``
+    when left out); a spec with fewer than three or more than five fields, or an unknown decode or
+    lm_head, is a ValueError naming it."""
+    fields = spec.split(":")
+    if not 3 <= len(fields) <= 5:
+        raise ValueError(f"configuration {spec!r}: expected backend:ceiling:warm_up[:decode[:lm_head]]")
+    backend, ceiling, warm_up, decode, lm_head = (fields + ["-", "compute"][len(fields) - 3:])[:5]
+    if decode not in ("-", "eager", "graphs"):
+        raise ValueError(f"configuration {spec!r}: decode must be -, eager or graphs, not {decode!r}")
+    if lm_head not in ("compute", "capture"):
+        raise ValueError(f"configuration {spec!r}: lm_head must be compute or capture, not {lm_head!r}")
+    return backend, ceiling, warm_up, decode, lm_head
 
 
 def main() -> None:
@@ -222,9 +256,10 @@ def main() -> None:
     ap.add_argument("--preset", default="tinyllama-1.1b")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
-    ap.add_argument("--only", help="comma-separated configurations backend:ceiling:warm_up[:decode] (warm_up: "
-                    "pool or outside; decode: -, eager or graphs; e.g. none:none:-,full:8192:pool:graphs); "
-                    "default: all")
+    ap.add_argument("--only", help="comma-separated configurations backend:ceiling:warm_up[:decode[:lm_head]] "
+                    "(warm_up: pool or outside; decode: -, eager or graphs; lm_head: compute or capture, the "
+                    "stream of the prefill's eager LM head; e.g. none:none:-,full:8192:pool:graphs,"
+                    "breakable:8192:pool:-:capture); default: all")
     ap.add_argument("--decode-batch", type=int, default=256, help="largest decode batch (decode rows)")
     ap.add_argument("--no-decode", action="store_true", help="leave out the rows with decode")
     ap.add_argument("--explain", action="store_true",
@@ -235,9 +270,9 @@ def main() -> None:
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     if args.one:
-        backend, ceiling, warm_up, decode = (args.one.split(":") + ["-"])[:4]
+        backend, ceiling, warm_up, decode, lm_head = parse_config(args.one)
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
-                             warm_up == "pool", decode, args.decode_batch, args.explain, args.served)))
+                             warm_up == "pool", decode, args.decode_batch, args.explain, args.served, lm_head)))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
@@ -247,32 +282,39 @@ def main() -> None:
     if not args.no_decode:
         runs += [("none", "none", "-", d) for d in ("eager", "graphs")] + \
             [(b, chunk, "pool", "graphs") for b in ("breakable", "full")]
+    runs = [(*r, "compute") for r in runs]
     if args.only:
-        runs = [tuple((c.split(":") + ["-"])[:4]) for c in args.only.split(",")]
+        try:
+            runs = [parse_config(c) for c in args.only.split(",")]
+        except ValueError as e:
+            ap.error(str(e))
     rows = []
-    for backend, ceiling, warm_up, decode in runs:
+    for backend, ceiling, warm_up, decode, lm_head in runs:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
-               f"{backend}:{ceiling}:{warm_up}:{decode}", "--served", str(args.served)] + \
+               f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served)] + \
             (["--explain"] if args.explain else [])
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
         rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling, "warm_up": warm_up,
-                                                           "decode": decode, "error": res.stderr[-2000:]})
+                                                           "decode": decode, "lm_head": lm_head,
+                                                           "error": res.stderr[-2000:]})
     def base_of(decode: str) -> int | None:
         return next((r.get("above_baseline_bytes") for r in rows
-                     if r.get("backend") == "none" and r.get("decode") == decode), None)
+                     if r.get("backend") == "none" and r.get("decode") == decode
+                     and r.get("lm_head", "compute") == "compute"), None)
 
     baseline = base_of("-")
     for r in rows:
         if "error" in r:
-            print(f"{r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} failed: {r['error']}")
+            print(f"{r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']}:{r['lm_head']} failed: {r['error']}")
     for r in rows:
         if "above_baseline_bytes" in r:
             r["peak_GiB"] = r["above_baseline_bytes"] / 2**30
             r["held_GiB"] = r["held_bytes"] / 2**30
             r["pool_GiB"] = r["pool_bytes"] / 2**30
             r["outside_GiB"] = r["outside_bytes"] / 2**30
+            r["live_peak_GiB"] = r["live_peak_bytes"] / 2**30
             r["vs_no_graph"] = r["above_baseline_bytes"] / baseline if baseline else None
             r["held_vs_no_graph"] = r["held_bytes"] / baseline if baseline else None
             same = base_of(r["decode"]) if r["decode"] != "-" else None
@@ -289,8 +331,11 @@ def main() -> None:
           f"chunk-size prefill; held after it); vs_no_graph over the eager peak ({(baseline or 0) / 2**30:.3f} GiB); "
           "vs_same_decode over the row without prefill graphs and the same decode; vs_all_eager over no graphs "
           "at all with an eager decode step")
-    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "mode", "shapes", "failed", "build_s", "compile_s",
-                       "capture_s", "peak_GiB", "held_GiB", "pool_GiB", "outside_GiB", "vs_no_graph",
+    print("live_peak: the most the allocator had handed out at once over the same window (reserved above it is "
+          "the caching allocator's slack: what a tighter layout could give back)")
+    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "mode", "shapes", "failed", "build_s",
+                       "compile_s", "capture_s", "peak_GiB", "live_peak_GiB", "held_GiB", "pool_GiB", "outside_GiB",
+                       "vs_no_graph",
                        "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
     if args.served:
         print(f"after {args.served} more prefills of a serving history: served_vs_no_graph is the served peak "
