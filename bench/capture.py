@@ -301,8 +301,7 @@ def main() -> None:
                                                            "error": res.stderr[-2000:]})
     def base_of(decode: str) -> int | None:
         return next((r.get("above_baseline_bytes") for r in rows
-                     if r.get("backend") == "none" and r.get("decode") == decode
-                     and r.get("lm_head", "compute") == "compute"), None)
+                     if r.get("backend") == "none" and r.get("decode") == decode and r["lm_head"] == "compute"), None)
 
     baseline = base_of("-")
     for r in rows:
