@@ -23,6 +23,12 @@ class ModelConfig(Section):
     device: "auto" = CUDA when available, else CPU.
     max_model_len: longest sequence (prompt + output) in tokens; None = from the checkpoint.
     seed: random seed for sampling and initialisation.
+    norm_linear_rows: forwards of at most this many tokens (decode steps; 1-16) run each layer's
+        residual add + RMSNorm inside the projection after it, one Triton kernel for norm + qkv and
+        one for norm + gate/up + SiLU-and-mul (worker/model/norm_linear.py): six kernels a layer
+        instead of nine. 0 (default): off, until the decode bench shows it faster on the GPU. A
+        setting is per token count, so eager steps and captured shapes of one size agree; on CPU
+        the kernel runs in Triton's interpreter (tests only: slow).
     """
 
     path: str | None = None
@@ -30,9 +36,12 @@ class ModelConfig(Section):
     device: Device = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    norm_linear_rows: int = 0
 
     def __post_init__(self) -> None:
         check_min(self.max_model_len, "max_model_len", 1)
+        check(0 <= self.norm_linear_rows <= 16, "norm_linear_rows",
+              f"must be 0 (off) to 16 (the kernel's row tile), got {self.norm_linear_rows!r}")
 
     def resolved_device(self, cuda_available: bool) -> Literal["cpu", "cuda"]:
         """``device`` with "auto" resolved."""

@@ -52,7 +52,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", arch.head_dim, arch.rms_norm_eps, dtype, kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), rope, attn)
+
+    def attend(self, qkv: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        """Attention and the output projection of the fused projection's output ``qkv`` (tokens, q + 2 kv)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
@@ -61,7 +64,7 @@ class Attention(nn.Module):
         # attention backends take row strides, so no copy kernels run between the projection and
         # attention. The backend rotates q and k (in one kernel with the KV write where it can).
         out = attn.run_with_rope(self.layer, rope, q, k, v)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return self.o_proj(out.reshape(qkv.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -82,8 +85,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer. ``norm_linear_rows``: a forward of at most this many tokens runs each
+    residual add + RMSNorm inside the projection after it (:mod:`worker.model.norm_linear`: qkv,
+    and gate/up with SiLU-and-mul); 0 (the default): never. Set through
+    :meth:`LlamaForCausalLM.use_norm_linear`."""
+
     def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
+        self.norm_linear_rows = 0
+        self._norm_linear = None  # worker.model.norm_linear.launch while norm_linear_rows > 0
         prefix = f"model.layers.{layer}"
         self.self_attn = Attention(arch, layer, tp, dtype, kernels)
         self.mlp = MLP(arch, layer, tp, dtype, kernels)
@@ -94,6 +104,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        if 0 < x.shape[0] <= self.norm_linear_rows and not torch.compiler.is_compiling():
+            return self._forward_norm_linear(x, residual, rope, attn)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -102,6 +114,16 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, rope, attn)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                             attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        launch = self._norm_linear
+        ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+        qkv, residual = launch(x, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
+        x = self.self_attn.attend(qkv, rope, attn)
+        ln, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        act, residual = launch(x, residual, ln.weight, ln.eps, gate_up.weight, None, silu_mul=True)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,6 +160,22 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def use_norm_linear(self, rows: int) -> None:
+        """Forwards of at most ``rows`` tokens (decode steps) run each layer's residual add + RMSNorm
+        inside the projection after it (:mod:`worker.model.norm_linear`); 0: never. Takes effect at
+        the next forward, so a graph runner sets it before capture; it needs Triton, and at most
+        :data:`worker.model.norm_linear.MAX_ROWS` rows."""
+        launch = None
+        if rows:
+            from worker.model.norm_linear import MAX_ROWS, launch
+
+            if not 0 < rows <= MAX_ROWS:
+                raise ValueError(f"norm_linear rows must be 0 (off) or 1-{MAX_ROWS}, got {rows}")
+            if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(f"norm_linear needs a float model dtype, not {self.dtype}")
+        for layer in self.layers:
+            layer.norm_linear_rows, layer._norm_linear = rows, launch
 
     def load(self, ckpt: SafetensorsCheckpoint) -> None:
         """Fill every parameter from ``ckpt`` (only this rank's shards are read)."""

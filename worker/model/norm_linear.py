@@ -1,0 +1,194 @@
+"""One Triton kernel for a decode step's residual add, RMSNorm and the projection after them.
+
+A decoder layer's unfused step launches flashinfer's fused add + RMSNorm, then the projection's
+GEMM (and, for the MLP, SiLU-and-mul after gate/up): three kernels before the MLP's down
+projection and two before attention. At decode batch sizes the GEMM streams the weight once and
+the activations are a few KiB, so :func:`add_rms_norm_linear` recomputes the norm of each row in
+every program (two passes over the row: the sum of squares, then the normed row times the weight
+tile) and folds the add, the norm, the GEMM, an optional bias and an optional SiLU-and-mul into
+one launch. A layer then runs six kernels (this one twice, RoPE + KV write, attention, o_proj and
+down) instead of nine.
+
+The arithmetic is flashinfer's: the sum ``x + residual`` in float32, stored rounded to the
+inputs' dtype as the new residual; the norm taken of the float32 sum; the normed row times the
+norm weight rounded once to the dtype, then the GEMM with float32 accumulation; gate and up
+rounded to the dtype before ``silu(gate) * up`` in float32 (flashinfer's ``silu_and_mul`` reads
+them rounded). A GEMM of a different tiling than cuBLAS's sums in another order: results agree
+to rounding, not bit for bit, so a model takes one path or the other for a whole captured shape.
+
+For at most :data:`MAX_ROWS` rows: the rows ride in one 16-row tile of ``tl.dot``, which a decode
+step's weight-bound GEMM pays nothing for. CUDA tensors run the compiled kernel; CPU tensors run
+the same kernel in Triton's interpreter (the CPU test suite; the serving path never uses it there).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+#: Most rows (tokens) one launch takes: the kernel's row tile.
+MAX_ROWS = 16
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count (Triton would specialize 1 and 16)
+def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, K, N, x_row, r_row, out_row,
+                            eps, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    dtype = x_ptr.dtype.element_ty
+
+    # Pass 1: the row's sum of squares (program 0 also stores the new residual).
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    store_rows = M * (pid == 0).to(tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask = m_mask[:, None] & (rk < K)[None, :]
+        h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(res_ptr + rm[:, None] * K + rk[None, :], h.to(dtype),
+                     mask=(rm < store_rows)[:, None] & (rk < K)[None, :])
+        squares += tl.sum(h * h, axis=1)
+    scale = 1.0 / tl.sqrt(squares / K + eps)
+
+    # Pass 2: the normed row times this program's BLOCK_N weight rows (and the up rows N below them).
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        mask = m_mask[:, None] & k_mask[None, :]
+        h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        a = (h * scale[:, None] * g[None, :]).to(dtype)
+        if DOT_FP32:  # Triton's interpreter multiplies 16-bit floats wrongly: the same values in float32
+            a = a.to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0)
+        if DOT_FP32:
+            w = w.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=w_mask, other=0.0)
+            if DOT_FP32:
+                w_up = w_up.to(tl.float32)
+            acc_up += tl.dot(a, tl.trans(w_up), input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rm[:, None] * out_row + rn[None, :], acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@functools.cache
+def _interpreted():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(_add_norm_linear_kernel.fn)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A launch's tile sizes: ``block_n`` weight rows and ``block_k`` columns a step per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def tiling_for(n: int, k: int, multiprocessors: int) -> Tiling:
+    """The widest weight tile that still gives each of ``multiprocessors`` a program (a decode GEMM
+    is bound by how many weight bytes are in flight: narrow tiles, many programs, deep K steps)."""
+    block_n = 16
+    for wider in (32, 64):
+        if triton.cdiv(n, wider) >= multiprocessors:
+            block_n = wider
+    return Tiling(block_n, max(16, min(256, triton.next_power_of_2(k))))
+
+
+@functools.cache
+def default_tiling(n: int, k: int, device: torch.device) -> Tiling:
+    """:func:`tiling_for` this device's multiprocessors (one on CPU)."""
+    return tiling_for(n, k, _multiprocessors(device))
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes these rows and this weight: at most :data:`MAX_ROWS` rows, a
+    floating dtype the weight shares, at least 16 inputs."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.shape[1] >= 16)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                        tiling: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual) * norm_weight), x + residual)`` in one launch.
+
+    ``x`` (M, K) with M <= :data:`MAX_ROWS` and a contiguous last dim; ``residual`` like it, or None
+    (the first layer: the sum is ``x`` itself, returned as is); ``weight`` (N, K) contiguous,
+    ``bias`` (N,) or None. With ``silu_mul`` the weight stacks gate rows over up rows (2I, K) and the
+    output is ``silu(gate) * up`` (M, I). Returns new tensors (the inputs are only read).
+    Graph-safe: one launch, no host sync. Checks every input and names what does not fit.
+    """
+    if not supports(x, weight):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}: the kernel "
+                         f"takes 1-{MAX_ROWS} rows of one float dtype and at least 16 inputs")
+    m, k = x.shape
+    if weight.shape[1] != k or norm_weight.shape != (k,):
+        raise ValueError(f"x {tuple(x.shape)}, norm weight {tuple(norm_weight.shape)} and weight "
+                         f"{tuple(weight.shape)} disagree on the input size")
+    if silu_mul and weight.shape[0] % 2:
+        raise ValueError(f"silu_mul needs gate and up rows stacked (an even row count), got {weight.shape[0]}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+    if silu_mul and bias is not None:
+        raise ValueError("silu_mul with a bias is not supported (no Llama-family MLP has one)")
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1) or not weight.is_contiguous():
+        raise ValueError("x and residual need a contiguous last dim, the weight contiguous storage")
+    tensors = [x, norm_weight, weight] + [t for t in (residual, bias) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("x, residual, the weights and the bias must share one device")
+    return launch(x, residual, norm_weight, eps, weight, bias, silu_mul, tiling)
+
+
+def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+           weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+           tiling: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_linear` without its checks, for a caller whose inputs hold them by
+    construction (a decoder layer: no Python checks per layer and step)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_residual = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    t = tiling or default_tiling(n, k, x.device)
+    cuda = x.device.type == "cuda"
+    kernel = _add_norm_linear_kernel if cuda else _interpreted()
+    extra = {"num_warps": t.num_warps, "num_stages": t.num_stages} if cuda else {}
+    kernel[(triton.cdiv(n, t.block_n),)](
+        x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
+        out, new_residual, m, k, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        eps, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or not cuda else "tf32", DOT_FP32=not cuda, **extra)
+    return out, new_residual
