@@ -37,6 +37,10 @@ batch is the ``graph_split_kv`` column.
 attention an opaque op, one full graph a shape; ``tc_full_over_full`` below 1: it is faster), with
 its compile and capture seconds apart in ``graph_memory`` (a failed compile is its
 ``compile_error`` there and no rows).
+``full_norm_linear`` and ``eager_norm_linear`` (batches up to 16; ``--no-norm-linear`` leaves them
+out) are the full graph and the eager step with ``model.norm_linear_rows=16``: each layer's add +
+RMSNorm inside the qkv and gate/up projections (worker/model/norm_linear.py, six kernels a layer
+instead of nine); ``norm_linear_over_full`` below 1: the fused layers are faster.
 
 GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
 --presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
@@ -67,6 +71,7 @@ from worker.attention.factory import create_attention_backend  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
+from worker.model.norm_linear import MAX_ROWS as NORM_LINEAR_ROWS  # noqa: E402
 from worker.model_steps import CompiledDecodeStep, ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -131,17 +136,22 @@ class Setup:
         return weights + b * (self.context + 1) * per_token
 
 
-def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) -> tuple[dict, dict]:
+def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
+         norm_linear: bool = True) -> tuple[dict, dict]:
     rows: dict[tuple[str, int], float] = {}
     eager_step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
-    for b in batches:
-        live = setup.batch(b)
+    fused_batches = [b for b in batches if b <= NORM_LINEAR_ROWS] if norm_linear else []
+    for name, rows_fused, bs in (("eager", 0, batches), ("eager_norm_linear", NORM_LINEAR_ROWS, fused_batches)):
+        setup.model.use_norm_linear(rows_fused)
+        for b in bs:
+            live = setup.batch(b)
 
-        def eager():
-            setup.attention.plan(live.attention)
-            return eager_step.forward(live.input_ids, live.positions).float()  # float32, as the engine
+            def eager():
+                setup.attention.plan(live.attention)
+                return eager_step.forward(live.input_ids, live.positions).float()  # float32, as the engine
 
-        rows[("eager", b)] = timed(eager, repeats)
+            rows[(name, b)] = timed(eager, repeats)
+    setup.model.use_norm_linear(0)
     memory = {}
     variants = [("full", setup.attention), ("breakable", setup.attention)]
     if setup.two_kernel is not None:
@@ -150,14 +160,17 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) 
         variants += [("full_split", setup.split), ("full_no_split", setup.no_split)]
     if tc_full:
         variants.append(("tc_full", setup.attention))
+    if fused_batches:
+        variants.append(("full_norm_linear", setup.attention))
     for name, attention in variants:
+        setup.model.use_norm_linear(NORM_LINEAR_ROWS if name == "full_norm_linear" else 0)
         if name == "tc_full":  # graphs.decode.backend=tc_full: the compiled forward, one full graph a shape
             step = CompiledDecodeStep(setup.model, attention)
             backend = create_backend("tc_full", CUDA)
         else:
             step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
             backend = create_backend(name.split("_")[0], CUDA)
-        runner = DecodeGraphRunner(step, backend, batches)
+        runner = DecodeGraphRunner(step, backend, fused_batches if name == "full_norm_linear" else batches)
         summary = runner.capture_all(progress=False)
         if runner.failed:
             raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
@@ -168,12 +181,13 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) 
             if step.compile_error:  # it fell back to the plain forward: no tc_full numbers
                 runner.release()
                 continue
-        for b in batches:
+        for b in runner.ladder:
             live = setup.batch(b)
             choice = runner.decide(live)
             rows[(name, b)] = timed(lambda: runner.execute(live, choice), repeats)
         runner.release()
         gc.collect()
+    setup.model.use_norm_linear(0)
     return rows, memory
 
 
@@ -253,6 +267,11 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
             if (f"full_{forced}", b) in rows:
                 r[f"full_{forced}_ms"] = rows[(f"full_{forced}", b)] * 1e3
                 r[f"{forced}_over_full"] = rows[(f"full_{forced}", b)] / full
+        if ("full_norm_linear", b) in rows:  # add + RMSNorm inside the qkv and gate/up projections
+            r["full_norm_linear_ms"] = rows[("full_norm_linear", b)] * 1e3
+            r["norm_linear_over_full"] = rows[("full_norm_linear", b)] / full
+            r["eager_norm_linear_ms"] = rows[("eager_norm_linear", b)] * 1e3
+            r["eager_norm_linear_over_eager"] = rows[("eager_norm_linear", b)] / rows[("eager", b)]
         if ("tc_full", b) in rows:  # the torch.compile'd forward in one full graph a shape
             r["tc_full_ms"] = rows[("tc_full", b)] * 1e3
             r["tc_full_over_full"] = rows[("tc_full", b)] / full
@@ -292,6 +311,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tc-full", action="store_true",
                     help="also time graphs.decode.backend=tc_full (torch.compile'd forward, one full graph a "
                          "shape; its compile and capture seconds go to graph_memory)")
+    ap.add_argument("--no-norm-linear", action="store_true",
+                    help="leave out full_norm_linear and eager_norm_linear (model.norm_linear_rows=16)")
     ap.add_argument("--compile-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     unknown = set(filter(None, args.peers.split(","))) - set(PEERS)
@@ -306,7 +327,7 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
     path = ensure_checkpoint(preset, Path(args.checkpoints))
     setup = Setup(path, max(batches), args.context, args.attention, args.page_size)
     floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
-    rows, memory = ours(setup, batches, args.repeats, args.tc_full)
+    rows, memory = ours(setup, batches, args.repeats, args.tc_full, not args.no_norm_linear)
     split_of = getattr(setup.attention, "graph_splits_kv", None)
     splits = {b: split_of(b) if split_of else None for b in batches}
     memory["ladder"] = ladder_memory(setup, max(batches))
@@ -323,7 +344,8 @@ def report(results: dict, peers: list[str]) -> None:
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
                  "two_kernel_over_fused", "split_over_full", "no_split_over_full", "tc_full_ms",
-                 "tc_full_over_full", "eager_ms", "breakable_ms",
+                 "tc_full_over_full", "full_norm_linear_ms", "norm_linear_over_full", "eager_ms",
+                 "eager_norm_linear_over_eager", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])

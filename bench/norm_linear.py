@@ -1,0 +1,130 @@
+"""The fused add + RMSNorm + projection kernel against the three it replaces, per decode shape.
+
+For each preset's two fused projections (qkv; gate/up with SiLU-and-mul) and each row count:
+``unfused`` is what a decoder layer runs without ``model.norm_linear_rows``: flashinfer's fused add
++ RMSNorm, cuBLAS's GEMM (``F.linear``) and, for gate/up, flashinfer's SiLU-and-mul; ``fused`` is
+:func:`worker.model.norm_linear.launch` with its default tiling, and ``best`` the fastest of a
+sweep of tilings (block_n x block_k x warps x stages). Each is timed inside a CUDA graph of
+``--calls`` back-to-back calls, as a decode graph runs them (launch gaps in, host out): per-call
+time is the replay's CUDA-event time over the calls, median of ``--repeats`` replays. ``GB/s`` is
+the weight's bytes over the time, beside the device-to-device copy bandwidth measured in the same
+run; ``fused_over_unfused`` below 1: the fused kernel is faster.
+
+GPU only: ``PYTHONPATH=/tmp/site:. python3 bench/norm_linear.py`` (``--quick``: no sweep). Prints
+a table and writes ``bench/results/norm_linear-*.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import copy_bandwidth, cuda_times, environment, print_table, write_results  # noqa: E402
+from worker.model.norm_linear import MAX_ROWS, Tiling, default_tiling, launch  # noqa: E402
+
+CUDA = torch.device("cuda")
+#: (hidden, qkv rows, intermediate) of each preset's layer, unsharded.
+SHAPES = {"tinyllama-1.1b": (2048, 2048 + 2 * 256, 5632), "llama-3-8b": (4096, 4096 + 2 * 1024, 14336)}
+SWEEP = [Tiling(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (2, 3, 4))]
+
+
+def graph_seconds(fn, calls: int, repeats: int) -> float:
+    """Seconds per ``fn`` call, replayed ``calls`` at a time from one CUDA graph."""
+    fn()  # compile / load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    seconds = statistics.median(cuda_times(graph.replay, repeats))
+    del graph
+    return seconds / calls
+
+
+def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args) -> dict:
+    from flashinfer.activation import silu_and_mul
+    from flashinfer.norm import fused_add_rmsnorm
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, hidden, device=CUDA, generator=g).bfloat16()
+    residual = torch.randn(rows, hidden, device=CUDA, generator=g).bfloat16()
+    norm_w = torch.ones(hidden, device=CUDA, dtype=torch.bfloat16)
+    w = (torch.randn(2 * rows_out if silu else rows_out, hidden, device=CUDA, generator=g) / hidden ** 0.5).bfloat16()
+    hx, hr = x.clone(), residual.clone()
+
+    def unfused():
+        fused_add_rmsnorm(hx, hr, norm_w, 1e-5)  # in place, as the layer's
+        y = F.linear(hx, w)
+        return silu_and_mul(y) if silu else y
+
+    def fused(tiling=None):
+        return launch(x, residual, norm_w, 1e-5, w, None, silu, tiling)
+
+    row = {"rows": rows, "hidden": hidden, "out": rows_out, "silu": silu,
+           "weight_bytes": w.numel() * w.element_size()}
+    row["unfused_us"] = graph_seconds(unfused, args.calls, args.repeats) * 1e6
+    row["fused_us"] = graph_seconds(fused, args.calls, args.repeats) * 1e6
+    row["default_tiling"] = vars_of(default_tiling(rows_out, hidden, CUDA))
+    if not args.quick:
+        times = {}
+        for t in SWEEP:
+            try:
+                times[t] = graph_seconds(lambda t=t: fused(t), args.calls, args.repeats) * 1e6
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile (shared memory) is skipped
+                row.setdefault("sweep_errors", {})[str(vars_of(t))] = f"{type(e).__name__}: {str(e)[:120]}"
+        if times:
+            best = min(times, key=times.get)
+            row["best_us"], row["best_tiling"] = times[best], vars_of(best)
+    for name in ("unfused", "fused", "best"):
+        if f"{name}_us" in row:
+            row[f"{name}_GBps"] = row["weight_bytes"] / row[f"{name}_us"] / 1e3
+    row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]
+    if "best_us" in row:
+        row["best_over_unfused"] = row["best_us"] / row["unfused_us"]
+    return row
+
+
+def vars_of(t: Tiling) -> dict:
+    return {"block_n": t.block_n, "block_k": t.block_k, "num_warps": t.num_warps, "num_stages": t.num_stages}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--calls", type=int, default=50, help="calls captured in one graph")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="default tiling only (no sweep)")
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",") if r]
+    if any(not 0 < r <= MAX_ROWS for r in rows_list):
+        ap.error(f"--rows must each be 1-{MAX_ROWS}")
+    bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    table = []
+    for preset in args.presets.split(","):
+        if preset not in SHAPES:
+            ap.error(f"unknown preset {preset!r}: one of {', '.join(SHAPES)}")
+        hidden, qkv, inter = SHAPES[preset]
+        for (proj, out, silu), rows in itertools.product((("qkv", qkv, False), ("gate_up", inter, True)), rows_list):
+            r = {"preset": preset, "projection": proj, **bench_shape(hidden, out, silu, rows, args)}
+            r["copy_GBps"] = bw / 1e9
+            table.append(r)
+            print(f"{preset} {proj} rows {rows}: unfused {r['unfused_us']:.1f} us, fused {r['fused_us']:.1f} us, "
+                  f"best {r.get('best_us', float('nan')):.1f} us {r.get('best_tiling', '')}", flush=True)
+    print_table(table, ["preset", "projection", "rows", "unfused_us", "fused_us", "best_us", "fused_over_unfused",
+                        "best_over_unfused", "unfused_GBps", "fused_GBps", "best_GBps"])
+    results = {"env": environment(), "copy_bandwidth_Bps": bw, "args": vars(args), "rows": table}
+    print(f"wrote {write_results('norm_linear', results)}")
+
+
+if __name__ == "__main__":
+    main()
