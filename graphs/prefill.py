@@ -5,9 +5,14 @@ Each captured shape holds ``bucket`` tokens and ``slots`` request rows. A live p
 ``[r, slots)`` are rewritten on every replay as zero-length sentinels (sequence and query
 length 0, no pages, offsets parked after the real tokens) and tokens ``[n, bucket)`` are padding
 whose KV goes to the dummy page. The graph computes final hidden states and keeps only the rows
-the step samples (``LivePrefillBatch.rows``, at most one a request slot) in a ``(slots, hidden)``
-output; the LM head runs eagerly on them, so padded rows never reach logits or sampling, and no
-``(tokens, hidden)`` buffer outlives the graph's own activations.
+the step samples (``LivePrefillBatch.rows``, at most one a request slot), so padded rows never
+reach logits or sampling, and no ``(tokens, hidden)`` buffer outlives the graph's own activations.
+
+The output is those rows' hidden states ``(slots, hidden)``, or with ``logits=True`` their logits
+``(slots, vocab)`` float32: the step's LM head then runs inside the graph too (on every slot: a
+sentinel's row is token 0's, computed and never read), so no eager GEMM follows a replay. That
+output may be a view of a buffer the runner does not own (``logits_out``: the decode runner's
+static logits, whose steps never overlap a prefill's), so prefill adds no logits buffer of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class PrefillStep(Protocol):
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Device side: (tokens,) ids and positions -> (tokens, hidden) final hidden states."""
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Device side (runners with ``logits=True``): (rows, hidden) -> (rows, vocab) logits, float32
+        or a narrower float type that the float32 output holds exactly (its copy is the cast)."""
+
 
 @dataclass
 class LivePrefillBatch:
@@ -87,13 +96,12 @@ class PrefillBuffers:
 
     tokens: StaticTokens  # (max_tokens,) ids and positions
     rows: torch.Tensor  # (slots,) int64 token indices to keep; unused entries 0
-    hidden: torch.Tensor  # (slots, hidden) final hidden states of those tokens
+    out: torch.Tensor  # (slots, hidden) final hidden states of those tokens, or (slots, vocab) float32 logits
 
     @classmethod
-    def allocate(cls, max_tokens: int, slots: int, hidden: int, dtype: torch.dtype,
-                 device: torch.device) -> PrefillBuffers:
+    def allocate(cls, max_tokens: int, slots: int, out: torch.Tensor, device: torch.device) -> PrefillBuffers:
         return cls(StaticTokens.allocate(max_tokens, device), torch.zeros(slots, dtype=torch.int64, device=device),
-                   torch.zeros((slots, hidden), dtype=dtype, device=device))
+                   out)
 
 
 class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
@@ -103,7 +111,11 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
 
     def __init__(self, step: PrefillStep, backend: GraphBackend, ladder: list[int], slots: int,
                  max_padding_ratio: float = 2.0, metrics: GraphMetrics | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, logits: bool = False,
+                 logits_out: torch.Tensor | None = None) -> None:
+        """``dtype``: the hidden-state output's; ``logits``: the output is the LM head's float32 logits
+        (``step.logits``), written into ``logits_out[:slots]`` when given (float32, at least ``slots``
+        rows of ``step.vocab_size``, on the step's device), else into a buffer of the runner's own."""
         super().__init__(backend, ladder, True, metrics)
         if slots < 1:
             raise ValueError(f"prefill request slots must be >= 1, got {slots}")
@@ -112,7 +124,21 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
         self.step = step
         self.slots = slots
         self.max_padding_ratio = max_padding_ratio
-        self.buffers = PrefillBuffers.allocate(self.ladder[-1], slots, step.hidden_size, dtype, step.device)
+        self.logits = logits
+        if logits_out is not None:
+            if not logits:
+                raise ValueError("logits_out is the LM head's output: it needs logits=True")
+            fits = (logits_out.dim() == 2 and logits_out.shape[0] >= slots and logits_out.shape[1] == step.vocab_size
+                    and logits_out.dtype == torch.float32 and logits_out.device == step.device)
+            if not fits:
+                raise ValueError(f"logits_out {tuple(logits_out.shape)} {logits_out.dtype} on {logits_out.device} "
+                                 f"cannot hold {slots} rows of {step.vocab_size} float32 logits on {step.device}")
+            out = logits_out[:slots]
+        elif logits:
+            out = torch.zeros((slots, step.vocab_size), dtype=torch.float32, device=step.device)
+        else:
+            out = torch.zeros((slots, step.hidden_size), dtype=dtype, device=step.device)
+        self.buffers = PrefillBuffers.allocate(self.ladder[-1], slots, out, step.device)
 
     def batch_size(self, batch: LivePrefillBatch) -> int:
         return batch.num_tokens
@@ -127,13 +153,16 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
 
     def capture_callable(self, size: int) -> Callable[[], None]:
         ids, pos = self.buffers.tokens.views(size)
-        rows, out = self.buffers.rows, self.buffers.hidden
+        rows, out = self.buffers.rows, self.buffers.out
         self.step.plan_dummy(size, self.slots)
 
         def forward() -> None:
             torch.index_select(self.step.forward_hidden(ids, pos), 0, rows, out=out)
 
-        return forward
+        def forward_logits() -> None:
+            out.copy_(self.step.logits(self.step.forward_hidden(ids, pos).index_select(0, rows)))
+
+        return forward_logits if self.logits else forward
 
     def load(self, batch: LivePrefillBatch, size: int) -> None:
         self.buffers.tokens.load(batch.input_ids, batch.positions, size)
@@ -144,4 +173,4 @@ class PrefillGraphRunner(GraphRunner[LivePrefillBatch, torch.Tensor]):
         self.step.plan(batch.attention, size, self.slots)
 
     def outputs(self, batch: LivePrefillBatch) -> torch.Tensor:
-        return self.buffers.hidden[: batch.num_rows]
+        return self.buffers.out[: batch.num_rows]

@@ -145,7 +145,7 @@ def test_the_runner_keeps_only_the_sampled_rows(own):
     """The one static output is (slots, hidden): the rows a step samples, never (tokens, hidden);
     entries past a smaller batch's rows are reset, so an earlier batch's rows never leak."""
     runner = _runner(own, [128, 256], slots=4, ratio=1000.0)
-    assert runner.buffers.hidden.shape == (4, own.arch.hidden_size)
+    assert runner.buffers.out.shape == (4, own.arch.hidden_size)
     rng = random.Random(5)
     big = random_prefill_batch(own, rng, 4, 50)
     runner.execute(big.live, runner.decide(big.live))
@@ -160,3 +160,55 @@ def test_the_runner_keeps_only_the_sampled_rows(own):
     five = LivePrefillBatch(small.live.input_ids, small.live.positions, small.live.attention, 2,
                             torch.arange(5))
     assert runner.decide(five).reason == "too_many_requests"
+
+
+def test_graphs_ending_in_logits_equal_the_eager_lm_head(own):
+    """``logits=True``: the LM head runs inside the graph on every slot; the sampled rows' float32
+    logits equal the eager head's on the eager hidden rows, and a smaller batch reads only its rows."""
+    step = ModelPrefillStep(own.model, own.attention, breakable=True)
+    runner = PrefillGraphRunner(step, DebugBackend(torch.device("cpu")), [128, 256], 4, 1000.0, logits=True)
+    runner.capture_all(progress=False)
+    assert runner.buffers.out.shape == (4, own.arch.vocab_size) and runner.buffers.out.dtype == torch.float32
+    rng = random.Random(7)
+    for requests in (4, 2, 3):
+        batch = random_prefill_batch(own, rng, requests, 50)
+        got = runner.execute(batch.live, runner.decide(batch.live))
+        want = own.model.compute_logits(eager_hidden(own, batch.live))
+        assert got.shape == want.shape == (requests, own.arch.vocab_size)
+        assert rel_err(got, want) <= 1e-5
+
+
+def test_graph_logits_may_land_in_a_shared_buffer(own):
+    """``logits_out``: the runner writes into the first ``slots`` rows of a buffer it is handed (the
+    decode runner's static logits) and allocates none; a buffer that cannot hold them is refused by name."""
+    step = ModelPrefillStep(own.model, own.attention, breakable=True)
+    shared = torch.zeros(8, own.arch.vocab_size)
+    runner = PrefillGraphRunner(step, DebugBackend(torch.device("cpu")), [128], 4, 1000.0, logits=True,
+                                logits_out=shared)
+    assert runner.buffers.out.data_ptr() == shared.data_ptr() and runner.buffers.out.shape[0] == 4
+    runner.capture_all(progress=False)
+    batch = random_prefill_batch(own, random.Random(3), 3, 40)
+    got = runner.execute(batch.live, runner.decide(batch.live))
+    assert got.data_ptr() == shared.data_ptr()
+    assert rel_err(got, own.model.compute_logits(eager_hidden(own, batch.live))) <= 1e-5
+    for bad, needle in [(dict(logits_out=shared), "needs logits=True"),
+                        (dict(logits=True, logits_out=torch.zeros(3, own.arch.vocab_size)), "cannot hold 4 rows"),
+                        (dict(logits=True, logits_out=torch.zeros(8, own.arch.vocab_size + 1)), "cannot hold"),
+                        (dict(logits=True, logits_out=shared.double()), "cannot hold")]:
+        with pytest.raises(ValueError, match=needle):
+            PrefillGraphRunner(step, DebugBackend(torch.device("cpu")), [128], 4, 1000.0, **bad)
+
+
+def test_the_worker_shares_one_logits_buffer_between_its_phases(checkpoint_dir):
+    """With debug graphs for both phases, the worker's prefill graphs write their logits into the
+    decode runner's static logits (no second buffer), and generation equals the eager engine's."""
+    path = checkpoint_dir("tiny-llama")
+    graphs = Engine(load_config(None, [f"model.path={path}", "graphs.debug=true"]))
+    runner = graphs.worker.runner
+    assert runner.prefill_runner.logits
+    assert runner.prefill_runner.buffers.out.data_ptr() == runner.decode_runner.buffers.logits.data_ptr()
+    prompts = [[5, 6, 7, 8], list(range(3, 60)), [9] * 3]
+    params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)] * 3
+    eager = Engine(load_config(None, [f"model.path={path}", "graphs.enabled=false"]))
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == \
+        [o.token_ids for o in eager.generate(prompts, params)]

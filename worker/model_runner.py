@@ -108,18 +108,24 @@ class ModelRunner:
         live = LiveDecodeBatch(inputs.input_ids, inputs.positions, inputs.attention)
         return self.decode_runner.run(live, lambda: self.model.compute_logits(self.forward(inputs)))
 
-    def prefill_hidden(self, inputs: StepInputs, num_requests: int, label: str = "prefill") -> torch.Tensor:
-        """Final hidden states (sampled rows, hidden) of a prefill or mixed step (the rows of
-        ``inputs.logits_rows``, in order); writes the step's KV. Graph replay when possible; the
+    def prefill_logits(self, inputs: StepInputs, num_requests: int, label: str = "prefill") -> torch.Tensor:
+        """Float32 logits (sampled rows, vocab) of a prefill or mixed step (the rows of
+        ``inputs.logits_rows``, in order); writes the step's KV. Graph replay when possible (the LM
+        head inside the graph when the runner's graphs end in logits, else eagerly after it); the
         pass is counted under ``label`` (``prefill`` or ``mixed``).
 
-        A replayed result is a view of the runner's static output: consume it before the next step.
+        A replayed result may be a view of a runner's static output: consume it before the next step.
         """
         self.profile.record_prefill(inputs.input_ids.shape[0], num_requests)
         live = LivePrefillBatch(inputs.input_ids, inputs.positions, inputs.attention, num_requests,
                                 inputs.logits_rows)
-        return self.prefill_runner.run(live, lambda: self.forward(inputs).index_select(0, inputs.logits_rows),
-                                       label)
+
+        def eager_hidden() -> torch.Tensor:
+            return self.forward(inputs).index_select(0, inputs.logits_rows)
+
+        if getattr(self.prefill_runner, "logits", False):
+            return self.prefill_runner.run(live, lambda: self.model.compute_logits(eager_hidden()), label)
+        return self.model.compute_logits(self.prefill_runner.run(live, eager_hidden, label))
 
     def execute(self, msg: StepMessage, previous: torch.Tensor | None = None,
                 ) -> tuple[SampleOutput | None, torch.Tensor | None]:
@@ -138,19 +144,19 @@ class ModelRunner:
         else:  # a prefill step, or a mixed one (its decode rows are one-token requests)
             label = "mixed" if msg.mixed else "prefill"
             if msg.prompt_logprobs is None:
-                hidden = self.prefill_hidden(inputs, msg.num_requests, label)
+                logits = self.prefill_logits(inputs, msg.num_requests, label)
             else:  # every token's hidden state is needed: eager, counted with its reason
                 self.profile.record_prefill(inputs.input_ids.shape[0], msg.num_requests)
                 self.prefill_runner.record_eager("prompt_logprobs", label)
                 every = self.forward(inputs)
                 prompt = self._score_prompt(every, *msg.prompt_logprobs)
-                hidden = every.index_select(0, inputs.logits_rows)
+                logits = self.model.compute_logits(every.index_select(0, inputs.logits_rows)) \
+                    if msg.logits_rows else None
             if not msg.logits_rows:
                 if prompt is None:
                     return None, None
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
                 return SampleOutput(empty, None, prompt=prompt), None
-            logits = self.model.compute_logits(hidden)
         history = None if msg.penalties is None else PenaltyHistory.of(msg.penalties, msg.logits_rows,
                                                                        msg.from_previous)
         sb = SamplingBatch.build(msg.params, msg.seeds, msg.steps, self.device, staging=self._sampling_staging,

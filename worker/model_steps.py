@@ -98,7 +98,8 @@ class CompiledDecodeStep(ModelDecodeStep):
 
 
 class ModelPrefillStep(_ModelStep):
-    """Prefill step (body only) of a :class:`LlamaForCausalLM`.
+    """Prefill step of a :class:`LlamaForCausalLM`: the body, and the LM head for a runner whose
+    graphs end in logits.
 
     Recording attention in the graph (``breakable=False``) needs a backend whose prefill
     attention is graph-safe (flashinfer); breakable runs it, and its host-dependent work, eagerly.
@@ -110,6 +111,7 @@ class ModelPrefillStep(_ModelStep):
                              f"attention.backend={attention.name} is not (use graphs.prefill.backend=breakable)")
         super().__init__(model, attention, breakable)
         self.hidden_size = model.arch.hidden_size
+        self.vocab_size = model.arch.vocab_size
 
     def plan(self, attention: AttentionBatch, tokens: int, slots: int) -> None:
         """Plan ``attention`` in ``slots`` rows and ``tokens`` tokens: unused rows are zero-length
@@ -124,6 +126,10 @@ class ModelPrefillStep(_ModelStep):
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self._forward_attention)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head in the model's dtype: the runner's copy into its float32 output is the cast."""
+        return self.model.compute_logits(hidden, dtype=None)
 
 
 class CompiledPrefillStep(ModelPrefillStep):

@@ -53,10 +53,7 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         kernels = select_kernels(self.device, prefer_fused=config.attention.backend != "torch")
         self.model, self.arch = load_model(Path(config.model.path), self.dtype, self.device, tp, kernels)
-        if config.model.norm_linear_rows:
-            self.model.use_norm_linear(config.model.norm_linear_rows)
-            log.info("decode forwards of <= %d tokens: residual add + RMSNorm fused into the qkv and gate/up "
-                     "projections (model.norm_linear_rows)", config.model.norm_linear_rows)
+        self.model.use_norm_linear(config.model.norm_linear_rows)
         # The graph budget may be a fraction of the memory free after weights: read it now,
         # before the KV cache takes the rest (order: weights, graph budget, KV cache, capture).
         self.free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
@@ -153,8 +150,8 @@ class Worker:
         """
         g = self.config.graphs
         profile = BatchProfile.load(g.profile) if g.profile else None
-        prefill = self._build_prefill_runner(planner_candidates=profile is not None)
         decode = self._build_decode_runner(planner_candidates=profile is not None)
+        prefill = self._build_prefill_runner(planner_candidates=profile is not None, decode=decode)
         graphs = graph_runners(prefill, decode)
         self.graph_metrics.record_budget(self.graph_budget)
         if self.graph_budget is None and profile is None:
@@ -190,8 +187,8 @@ class Worker:
         profile = profile if profile is not None else old.profile
         before = ladders_of(old.prefill_runner, old.decode_runner)
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        prefill = self._build_prefill_runner(planner_candidates=True, pool=pool)
         decode = self._build_decode_runner(planner_candidates=True, pool=pool)
+        prefill = self._build_prefill_runner(planner_candidates=True, pool=pool, decode=decode)
         graphs = graph_runners(prefill, decode)
         by_phase = {r.phase: r for r in graphs}
         defaults = {"decode": self._decode_ladder(False), "prefill": self._prefill_ladder(False)}
@@ -278,9 +275,12 @@ class Worker:
                               warm_up_in_pool=self.config.graphs.warm_up_in_pool)
 
     def _build_prefill_runner(self, planner_candidates: bool, pool: tuple | None = None,
+                              decode: DecodeGraphRunner | EagerRunner | None = None,
                               ) -> PrefillGraphRunner | EagerRunner:
         """The prefill graph runner (not yet captured) over its candidate ladder, or the eager runner
-        saying why prefill has no graphs."""
+        saying why prefill has no graphs. Its graphs end in the LM head's logits (no eager GEMM after a
+        replay, so no second cuBLAS workspace), in ``decode``'s static logits when that is a graph
+        runner with a row for every request slot."""
         name, reason = self._graph_backend_name("prefill")
         if name is None:
             return EagerRunner("prefill", reason, self.graph_metrics)
@@ -293,9 +293,10 @@ class Worker:
                         "with fixed request slots; breakable is the production default")
         step = self._compiled_step("prefill") if name == "tc_piecewise" else \
             ModelPrefillStep(self.model, self.attention, breakable=name != "full")
-        return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder,
-                                  slots, p.max_padding_ratio, self.graph_metrics,
-                                  self.dtype)
+        shared = getattr(decode, "buffers", None)
+        logits_out = shared.logits if shared is not None and shared.logits.shape[0] >= slots else None
+        return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder, slots, p.max_padding_ratio,
+                                  self.graph_metrics, self.dtype, logits=True, logits_out=logits_out)
 
     def _compiled_step(self, phase: str) -> CompiledPrefillStep | CompiledDecodeStep:
         """The phase's torch.compile step (tc_piecewise prefill, tc_full decode), built once: re-plans

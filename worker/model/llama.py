@@ -7,6 +7,8 @@ runner can capture it.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -18,6 +20,8 @@ from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.rotary import cos_sin_cache
 from worker.model.torch_kernels import TorchKernels
 from worker.model.weights import SafetensorsCheckpoint
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -176,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"norm_linear needs a float model dtype, not {self.dtype}")
         for layer in self.layers:
             layer.norm_linear_rows, layer._norm_linear = rows, launch
+        if rows:
+            log.info("forwards of <= %d tokens: each layer's add + RMSNorm runs inside its qkv and gate/up "
+                     "projections (worker/model/norm_linear.py)", rows)
 
     def load(self, ckpt: SafetensorsCheckpoint) -> None:
         """Fill every parameter from ``ckpt`` (only this rank's shards are read)."""
