@@ -11,9 +11,11 @@
    (what the KV cache must leave room for); ``held``: what it still reserves after the prefill
    (what a serving process keeps); ``pool``: the graph pool's share of that; ``live_peak``: the
    most it had handed out at once (reserved above that is the caching allocator's slack).
-   A configuration's fifth field, ``capture``, runs the prefill's eager LM head on the capture
-   stream instead of the current one: one cuBLAS workspace instead of two (torch keeps one per
-   handle and stream, a handle per thread; here one thread does everything).
+   A configuration's fifth field says where the prefill's LM head runs: ``graph`` (the default
+   with prefill graphs, as ``Worker`` builds them) inside the graphs, into the decode graphs' static
+   logits when there are decode graphs; ``compute`` eagerly after a replay, on the current stream;
+   ``capture`` eagerly on the capture stream: one cuBLAS workspace instead of two (torch keeps one
+   per handle and stream, a handle per thread; here one thread does everything).
 3. Warm-ups inside the graph pool (``graphs.warm_up_in_pool``, the default) beside warm-ups
    outside it, for breakable and full at the chunk size.
 4. The serving process's view (``decode`` column): every server also decodes. ``eager``: after the
@@ -106,13 +108,14 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
         decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
-        lm_head: str = "compute") -> dict:
+        lm_head: str = "graph") -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
     with ``decode``, capture decode graphs and run one decode step at ``decode_batch``), then
-    ``served`` prefills of :func:`served_history`. ``lm_head``: the stream of the prefill's eager LM
-    head, ``compute`` (the current one, as the worker runs it) or ``capture`` (the process's capture
-    stream, ordered both ways: torch keys a cuBLAS workspace by handle and stream, so this row shows
-    what one workspace instead of two saves)."""
+    ``served`` prefills of :func:`served_history`. ``lm_head``: ``graph`` (the prefill graphs end in
+    the LM head's logits, as the worker builds them), or the stream of an eager LM head after a
+    replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
+    ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
+    instead of two saves)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -140,12 +143,18 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
+    if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
+        decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
+                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
+                                          default_decode_ladder(decode_batch), True)
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
             ModelPrefillStep(model, attention, breakable=backend == "breakable")
         runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
                                     default_prefill_ladder(ceiling),
-                                    max(1, chunk // 512), 2.0, None, torch.bfloat16)
+                                    max(1, chunk // 512), 2.0, None, torch.bfloat16, logits=lm_head == "graph",
+                                    logits_out=decode_runner.buffers.logits
+                                    if decode_runner is not None and lm_head == "graph" else None)
         start = time.perf_counter()
         runner.capture_all(progress=False)
         build = time.perf_counter() - start
@@ -154,10 +163,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             compile_s, capture_s = stats["compile_seconds"], stats["capture_seconds"]
         else:
             compile_s, capture_s = 0.0, build
-    if decode == "graphs":  # after the prefill graphs, into the same pool (Worker.capture's order)
-        decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
-                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
-                                          default_decode_ladder(decode_batch), True)
+    if decode_runner is not None:  # after the prefill graphs, into the same pool (Worker.capture's order)
         decode_runner.capture_all(progress=False)
     torch.cuda.reset_peak_memory_stats()
     from graphs.prefill import LivePrefillBatch
@@ -174,7 +180,8 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
 
     def prefill(lengths: list[int]) -> str:
         """One prefill step of requests of ``lengths`` tokens (pages from 1 on), as a server runs
-        it: replayed when the runner covers it, else eager; the LM head eagerly on the sampled rows."""
+        it: replayed when the runner covers it, else eager; the LM head on the sampled rows inside the
+        graph (``lm_head=graph``) or eagerly after it."""
         tables, first = [], 1
         for n in lengths:
             tables.append(list(range(first, first + -(-n // 16))))
@@ -187,6 +194,8 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
         choice = runner.decide(live) if runner is not None else None
         if choice is not None and choice.replays:
             hidden, how = runner.execute(live, choice), "graph"
+            if runner.logits:
+                return how
         else:
             attention.plan(live.attention)
             hidden, how = model(ids, pos, attention).index_select(0, last), "eager"
@@ -237,17 +246,19 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
 
 
 def parse_config(spec: str) -> tuple[str, str, str, str, str]:
-    """``backend:ceiling:warm_up[:decode[:lm_head]]`` as a 5-tuple (decode ``-`` and lm_head ``compute``
-    when left out); a spec with fewer than three or more than five fields, or an unknown decode or
-    lm_head, is a ValueError naming it."""
+    """``backend:ceiling:warm_up[:decode[:lm_head]]`` as a 5-tuple (decode ``-`` and lm_head ``graph``,
+    or ``compute`` for ``none``, when left out); a spec with fewer than three or more than five
+    fields, or an unknown decode or lm_head, is a ValueError naming it."""
     fields = spec.split(":")
     if not 3 <= len(fields) <= 5:
         raise ValueError(f"configuration {spec!r}: expected backend:ceiling:warm_up[:decode[:lm_head]]")
-    backend, ceiling, warm_up, decode, lm_head = (fields + ["-", "compute"][len(fields) - 3:])[:5]
+    default_head = "compute" if fields[0] == "none" else "graph"
+    backend, ceiling, warm_up, decode, lm_head = (fields + ["-", default_head][len(fields) - 3:])[:5]
     if decode not in ("-", "eager", "graphs"):
         raise ValueError(f"configuration {spec!r}: decode must be -, eager or graphs, not {decode!r}")
-    if lm_head not in ("compute", "capture"):
-        raise ValueError(f"configuration {spec!r}: lm_head must be compute or capture, not {lm_head!r}")
+    if lm_head not in ("graph", "compute", "capture") or (backend == "none" and lm_head == "graph"):
+        raise ValueError(f"configuration {spec!r}: lm_head must be graph (with prefill graphs), compute or capture, "
+                         f"not {lm_head!r}")
     return backend, ceiling, warm_up, decode, lm_head
 
 
@@ -257,9 +268,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     ap.add_argument("--only", help="comma-separated configurations backend:ceiling:warm_up[:decode[:lm_head]] "
-                    "(warm_up: pool or outside; decode: -, eager or graphs; lm_head: compute or capture, the "
-                    "stream of the prefill's eager LM head; e.g. none:none:-,full:8192:pool:graphs,"
-                    "breakable:8192:pool:-:capture); default: all")
+                    "(warm_up: pool or outside; decode: -, eager or graphs; lm_head: graph, the default, or "
+                    "compute or capture, the stream of an eager LM head after a replay; e.g. "
+                    "none:none:-,full:8192:pool:graphs,breakable:8192:pool:-:capture); default: all")
     ap.add_argument("--decode-batch", type=int, default=256, help="largest decode batch (decode rows)")
     ap.add_argument("--no-decode", action="store_true", help="leave out the rows with decode")
     ap.add_argument("--explain", action="store_true",
@@ -282,7 +293,7 @@ def main() -> None:
     if not args.no_decode:
         runs += [("none", "none", "-", d) for d in ("eager", "graphs")] + \
             [(b, chunk, "pool", "graphs") for b in ("breakable", "full")]
-    runs = [(*r, "compute") for r in runs]
+    runs = [(*r, "compute" if r[0] == "none" else "graph") for r in runs]
     if args.only:
         try:
             runs = [parse_config(c) for c in args.only.split(",")]

@@ -25,9 +25,11 @@ def test_a_serving_history_is_the_same_for_every_configuration():
 
 def test_a_configuration_fills_decode_and_the_lm_head_stream_and_names_what_is_wrong():
     assert parse_config("none:none:-") == ("none", "none", "-", "-", "compute")
-    assert parse_config("full:8192:pool:graphs") == ("full", "8192", "pool", "graphs", "compute")
+    assert parse_config("full:8192:pool:graphs") == ("full", "8192", "pool", "graphs", "graph")
     assert parse_config("breakable:8192:pool:-:capture") == ("breakable", "8192", "pool", "-", "capture")
+    assert parse_config("breakable:8192:pool:-:compute") == ("breakable", "8192", "pool", "-", "compute")
     for spec, named in (("full:8192", "backend:ceiling:warm_up"), ("full:8192:pool:-:capture:x", "backend:ceiling"),
-                        ("full:8192:pool:both", "'both'"), ("full:8192:pool:-:side", "'side'")):
+                        ("full:8192:pool:both", "'both'"), ("full:8192:pool:-:side", "'side'"),
+                        ("none:none:-:-:graph", "'graph'")):
         with pytest.raises(ValueError, match=named):
             parse_config(spec)
