@@ -67,6 +67,22 @@ class OwnModel:
         return self.model.compute_logits(hidden)
 
 
+def prefill_then_greedy(own: OwnModel, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list]:
+    """One prefill step of ``prompts``, then ``steps`` greedy decode steps of every request; returns
+    (the logits of every step, the greedy tokens of each decode step)."""
+    reqs = [own.new_request(p, i) for i, p in enumerate(prompts)]
+    logits = [own.step(reqs, [len(p) for p in prompts], is_prefill=True)]
+    last = [logits[0][e - 1] for e in torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()]
+    tokens = []
+    for _ in range(steps):
+        for r, lg in zip(reqs, last):
+            r.output_ids.append(int(lg.argmax()))
+        tokens.append([r.output_ids[-1] for r in reqs])
+        logits.append(own.step(reqs, [1] * len(reqs), is_prefill=False))
+        last = list(logits[-1])
+    return logits, tokens
+
+
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     """HF transformers' logits (len(ids), vocab) for one unpadded sequence."""
     device = next(hf_model.parameters()).device

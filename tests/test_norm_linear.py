@@ -131,22 +131,11 @@ def test_bad_inputs_are_refused_by_name(change, needle):
 def _decode_run(path, rows, dtype=torch.float32, device="cpu", backend="torch", kernels=None):
     """A prefill of three prompts (more tokens than the kernel's rows: the unfused layers) and
     eight decode steps of three rows; returns (logits of every step, greedy tokens)."""
-    from tests.reference import OwnModel
+    from tests.reference import OwnModel, prefill_then_greedy
 
     own = OwnModel(path, dtype=dtype, device=device, backend=backend, kernels=kernels)
     own.model.use_norm_linear(rows)
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
-    reqs = [own.new_request(p, i) for i, p in enumerate(prompts)]
-    logits = [own.step(reqs, [len(p) for p in prompts], is_prefill=True)]
-    last = [logits[0][e - 1] for e in torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()]
-    tokens = []
-    for _ in range(8):
-        for r, lg in zip(reqs, last):
-            r.output_ids.append(int(lg.argmax()))
-        tokens.append([r.output_ids[-1] for r in reqs])
-        logits.append(own.step(reqs, [1] * len(reqs), is_prefill=False))
-        last = list(logits[-1])
-    return logits, tokens
+    return prefill_then_greedy(own, [list(range(3, 3 + n)) for n in (5, 17, 30)], 8)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])

@@ -159,7 +159,7 @@ def test_gpu_model_with_the_fused_kernel_equals_the_two_kernel_path(preset, chec
     (page boundaries inside them) and 12 decode steps give the same greedy tokens and logits
     within bf16 noise."""
     pytest.importorskip("flashinfer")
-    from tests.reference import OwnModel, rel_l2
+    from tests.reference import OwnModel, prefill_then_greedy, rel_l2
     from worker.model.kernels import select_kernels
 
     path = checkpoint_dir(preset)
@@ -169,16 +169,7 @@ def test_gpu_model_with_the_fused_kernel_equals_the_two_kernel_path(preset, chec
         own = OwnModel(path, dtype=torch.bfloat16, device="cuda", backend="flashinfer",
                        kernels=select_kernels(CUDA), fused_rope_store=fused)
         assert own.attention.fused_rope_store == fused
-        reqs = [own.new_request(p, i) for i, p in enumerate(prompts)]
-        logits = [own.step(reqs, [len(p) for p in prompts], is_prefill=True)]
-        last = [logits[0][e - 1] for e in torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()]
-        tokens = []
-        for _ in range(12):
-            for r, lg in zip(reqs, last):
-                r.output_ids.append(int(lg.argmax()))
-            tokens.append([r.output_ids[-1] for r in reqs])
-            logits.append(own.step(reqs, [1] * len(reqs), is_prefill=False))
-            last = list(logits[-1])
+        logits, tokens = prefill_then_greedy(own, prompts, 12)
         runs[fused] = (torch.cat(logits), tokens)
     assert runs[True][1] == runs[False][1]
     err = rel_l2(runs[True][0], runs[False][0])
