@@ -4,10 +4,13 @@ For each preset's two fused projections (qkv; gate/up with SiLU-and-mul) and eac
 ``unfused`` is what a decoder layer runs without ``model.norm_linear_rows``: flashinfer's fused add
 + RMSNorm, cuBLAS's GEMM (``F.linear``) and, for gate/up, flashinfer's SiLU-and-mul; ``fused`` is
 :func:`worker.model.norm_linear.launch` with its default tiling, and ``best`` the fastest of a
-sweep of tilings (block_n x block_k x warps x stages). Each is timed inside a CUDA graph of
-``--calls`` back-to-back calls, as a decode graph runs them (launch gaps in, host out): per-call
-time is the replay's CUDA-event time over the calls, median of ``--repeats`` replays. ``GB/s`` is
-the weight's bytes over the time, beside the device-to-device copy bandwidth measured in the same
+sweep of tilings (block_n x block_k x warps x stages). The layer's two plain projections (o_proj,
+down) are rows too: ``unfused`` is cuBLAS, ``fused`` the same kernel without its norm
+(:func:`worker.model.norm_linear.linear_rows`), which says whether they would gain from it.
+Each is timed inside a CUDA graph of ``--calls`` back-to-back calls, as a decode graph runs them
+(launch gaps in, host out): per-call time is the replay's CUDA-event time over the calls, median
+of ``--repeats`` replays. ``GB/s`` is the weight's bytes over the time, beside the
+device-to-device copy bandwidth measured in the same
 run; ``fused_over_unfused`` below 1: the fused kernel is faster.
 
 GPU only: ``PYTHONPATH=/tmp/site:. python3 bench/norm_linear.py`` (``--quick``: no sweep). Prints
@@ -28,12 +31,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import copy_bandwidth, cuda_times, environment, print_table, write_results  # noqa: E402
-from worker.model.norm_linear import MAX_ROWS, Tiling, default_tiling, launch  # noqa: E402
+from worker.model.norm_linear import MAX_ROWS, Tiling, default_tiling, launch, linear_rows  # noqa: E402
 
 CUDA = torch.device("cuda")
-#: (hidden, qkv rows, intermediate) of each preset's layer, unsharded.
+#: (hidden, qkv rows, intermediate) of each preset's layer, unsharded (q_size = hidden in both).
 SHAPES = {"tinyllama-1.1b": (2048, 2048 + 2 * 256, 5632), "llama-3-8b": (4096, 4096 + 2 * 1024, 14336)}
-SWEEP = [Tiling(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (2, 3, 4))]
+SWEEP = [Tiling(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (3, 4))]
 
 
 def graph_seconds(fn, calls: int, repeats: int) -> float:
@@ -49,7 +52,9 @@ def graph_seconds(fn, calls: int, repeats: int) -> float:
     return seconds / calls
 
 
-def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args) -> dict:
+def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args, norm: bool = True) -> dict:
+    """One projection of ``hidden`` inputs and ``rows_out`` outputs at ``rows`` rows; ``norm``
+    False: a plain projection (cuBLAS against :func:`linear_rows`)."""
     from flashinfer.activation import silu_and_mul
     from flashinfer.norm import fused_add_rmsnorm
 
@@ -61,14 +66,17 @@ def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args) -> dict
     hx, hr = x.clone(), residual.clone()
 
     def unfused():
-        fused_add_rmsnorm(hx, hr, norm_w, 1e-5)  # in place, as the layer's
+        if norm:
+            fused_add_rmsnorm(hx, hr, norm_w, 1e-5)  # in place, as the layer's
         y = F.linear(hx, w)
         return silu_and_mul(y) if silu else y
 
     def fused(tiling=None):
+        if not norm:
+            return linear_rows(x, w, None, tiling)
         return launch(x, residual, norm_w, 1e-5, w, None, silu, tiling)
 
-    row = {"rows": rows, "hidden": hidden, "out": rows_out, "silu": silu,
+    row = {"rows": rows, "hidden": hidden, "out": rows_out, "silu": silu, "norm": norm,
            "weight_bytes": w.numel() * w.element_size()}
     row["unfused_us"] = graph_seconds(unfused, args.calls, args.repeats) * 1e6
     row["fused_us"] = graph_seconds(fused, args.calls, args.repeats) * 1e6
@@ -114,8 +122,10 @@ def main() -> None:
         if preset not in SHAPES:
             ap.error(f"unknown preset {preset!r}: one of {', '.join(SHAPES)}")
         hidden, qkv, inter = SHAPES[preset]
-        for (proj, out, silu), rows in itertools.product((("qkv", qkv, False), ("gate_up", inter, True)), rows_list):
-            r = {"preset": preset, "projection": proj, **bench_shape(hidden, out, silu, rows, args)}
+        projections = (("qkv", hidden, qkv, False, True), ("gate_up", hidden, inter, True, True),
+                       ("o_proj", hidden, hidden, False, False), ("down", inter, hidden, False, False))
+        for (proj, k, out, silu, norm), rows in itertools.product(projections, rows_list):
+            r = {"preset": preset, "projection": proj, **bench_shape(k, out, silu, rows, args, norm)}
             r["copy_GBps"] = bw / 1e9
             table.append(r)
             print(f"{preset} {proj} rows {rows}: unfused {r['unfused_us']:.1f} us, fused {r['fused_us']:.1f} us, "

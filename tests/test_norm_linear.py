@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.model.norm_linear import MAX_ROWS, Tiling, add_rms_norm_linear, default_tiling, tiling_for
+from worker.model.norm_linear import (
+    MAX_ROWS,
+    Tiling,
+    add_rms_norm_linear,
+    default_tiling,
+    linear_rows,
+    tiling_for,
+)
 
 CUDA = torch.device("cuda")
 
@@ -85,6 +92,19 @@ def test_every_tiling_gives_the_same_result(tiling):
     assert _close(out, _expected(x, r, norm_w, w, None, 1e-6, True)[0], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_without_its_norm_is_a_plain_linear(dtype, bias):
+    """``linear_rows``: the same kernel with the norm and residual switched off (o_proj, down)."""
+    x, _, _, w, b = _case(5, 200, 72, dtype, residual=False, bias=bias)
+    want = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert _close(linear_rows(x, w, b), want, dtype)
+    with pytest.raises(ValueError, match="1-16 rows"):
+        linear_rows(torch.zeros(17, 200, dtype=dtype), w)
+    with pytest.raises(ValueError, match="does not fit weight"):
+        linear_rows(x, w, torch.zeros(3, dtype=dtype))
+
+
 def test_rows_may_be_a_strided_view():
     x, r, norm_w, w, _ = _case(4, 64, 48, torch.float32, x_stride=160)
     assert x.stride(0) == 160
@@ -138,8 +158,19 @@ def _decode_run(path, rows, dtype=torch.float32, device="cpu", backend="torch", 
     return prefill_then_greedy(own, [list(range(3, 3 + n)) for n in (5, 17, 30)], 8)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: a multi-threaded CPU GEMM may split its sums by however many threads it
+    gets while the interpreter's numpy threads still spin, which moves float32 results by a few ulps
+    from run to run; with one thread two runs of the same layers agree bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_model_with_the_fused_layers_equals_the_unfused_ones(preset, checkpoint_dir):
+def test_model_with_the_fused_layers_equals_the_unfused_ones(preset, checkpoint_dir, one_thread):
     """float32 on CPU (the interpreter): Llama, Qwen2 (qkv bias, tied head) and Qwen3 (q/k norms)
     give the unfused layers' logits to 1e-5 and the same greedy tokens; the prefill (30+ tokens)
     does not take the kernel and equals the unfused run exactly."""

@@ -36,7 +36,8 @@ MAX_ROWS = 16
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count (Triton would specialize 1 and 16)
 def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, K, N, x_row, r_row, out_row,
-                            eps, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                            eps, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            SILU_MUL: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     pid = tl.program_id(0)
@@ -45,18 +46,20 @@ def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr,
     dtype = x_ptr.dtype.element_ty
 
     # Pass 1: the row's sum of squares (program 0 also stores the new residual).
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    store_rows = M * (pid == 0).to(tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mask = m_mask[:, None] & (rk < K)[None, :]
-        h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(res_ptr + rm[:, None] * K + rk[None, :], h.to(dtype),
-                     mask=(rm < store_rows)[:, None] & (rk < K)[None, :])
-        squares += tl.sum(h * h, axis=1)
-    scale = 1.0 / tl.sqrt(squares / K + eps)
+    scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if HAS_NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        store_rows = M * (pid == 0).to(tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (rk < K)[None, :]
+            h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(res_ptr + rm[:, None] * K + rk[None, :], h.to(dtype),
+                         mask=(rm < store_rows)[:, None] & (rk < K)[None, :])
+            squares += tl.sum(h * h, axis=1)
+        scale = 1.0 / tl.sqrt(squares / K + eps)
 
     # Pass 2: the normed row times this program's BLOCK_N weight rows (and the up rows N below them).
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,8 +73,11 @@ def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr,
         h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-        a = (h * scale[:, None] * g[None, :]).to(dtype)
+        if HAS_NORM:
+            g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            a = (h * scale[:, None] * g[None, :]).to(dtype)
+        else:
+            a = h.to(dtype)
         if DOT_FP32:  # Triton's interpreter multiplies 16-bit floats wrongly: the same values in float32
             a = a.to(tl.float32)
         w_mask = n_mask[:, None] & k_mask[None, :]
@@ -172,11 +178,12 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     return launch(x, residual, norm_weight, eps, weight, bias, silu_mul, tiling)
 
 
-def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
            weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
            tiling: Tiling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm_linear` without its checks, for a caller whose inputs hold them by
-    construction (a decoder layer: no Python checks per layer and step)."""
+    construction (a decoder layer: no Python checks per layer and step). ``norm_weight`` None: no
+    norm and no residual (:func:`linear_rows`)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -185,10 +192,24 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     cuda = x.device.type == "cuda"
     kernel = _add_norm_linear_kernel if cuda else _interpreted()
     extra = {"num_warps": t.num_warps, "num_stages": t.num_stages} if cuda else {}
+    unused = weight  # a valid pointer for the arguments a constexpr switch leaves unread
     kernel[(triton.cdiv(n, t.block_n),)](
-        x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
-        out, new_residual, m, k, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        eps, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        x, residual if residual is not None else unused, norm_weight if norm_weight is not None else unused, weight,
+        bias if bias is not None else unused, out, new_residual, m, k, n, x.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), eps, HAS_NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or not cuda else "tf32", DOT_FP32=not cuda, **extra)
     return out, new_residual
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tiling: Tiling | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for at most :data:`MAX_ROWS` rows in the same kernel without its norm
+    (a decode step's o_proj and down projection, for the bench to weigh against cuBLAS)."""
+    if not supports(x, weight) or weight.shape[1] != x.shape[1] or not weight.is_contiguous() or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}: the kernel "
+                         f"takes 1-{MAX_ROWS} rows of one float dtype, a contiguous weight of the same inputs")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+    return launch(x, None, None, 0.0, weight, bias, False, tiling)[0]
