@@ -47,6 +47,21 @@ def default_prefill_ladder(ceiling: int, smallest: int = 64) -> list[int]:
     return ladder
 
 
+#: The largest float32 logits buffer prefill graphs take for themselves: the cuBLAS workspace (32 MiB
+#: on Hopper) that an eager LM head after every replay would add on the step's stream.
+HEAD_BUFFER_LIMIT = 32 * 2**20
+
+
+def logits_output(shared: torch.Tensor | None, slots: int, vocab: int) -> tuple[bool, torch.Tensor | None]:
+    """Where a prefill runner's graphs put the LM head: ``(logits, logits_out)`` for
+    :class:`PrefillGraphRunner`. Into ``shared`` (the decode runner's static float32 logits) when it
+    has a row for every slot; else into a buffer of the runner's own when that is at most
+    :data:`HEAD_BUFFER_LIMIT`; else not at all (hidden states out, the head eager after a replay)."""
+    if shared is not None and shared.shape[0] >= slots:
+        return True, shared
+    return slots * vocab * 4 <= HEAD_BUFFER_LIMIT, None
+
+
 class PrefillStep(Protocol):
     """What a model offers the prefill runner (implemented on the worker side)."""
 

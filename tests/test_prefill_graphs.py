@@ -10,7 +10,13 @@ from prometheus_client import CollectorRegistry
 
 from deploy.config import ConfigError, load_config
 from graphs.backends import DebugBackend
-from graphs.prefill import LivePrefillBatch, PrefillGraphRunner, default_prefill_ladder
+from graphs.prefill import (
+    HEAD_BUFFER_LIMIT,
+    LivePrefillBatch,
+    PrefillGraphRunner,
+    default_prefill_ladder,
+    logits_output,
+)
 from tests.graph_harness import eager_hidden, fill_cache_randomly, pad_prefill_batch, random_prefill_batch
 from tests.reference import OwnModel, rel_err
 from worker.attention.base import AttentionBatch
@@ -212,3 +218,13 @@ def test_the_worker_shares_one_logits_buffer_between_its_phases(checkpoint_dir):
     eager = Engine(load_config(None, [f"model.path={path}", "graphs.enabled=false"]))
     assert [o.token_ids for o in graphs.generate(prompts, params)] == \
         [o.token_ids for o in eager.generate(prompts, params)]
+
+
+def test_the_head_goes_into_the_graphs_where_its_buffer_costs_no_more_than_the_workspace_it_saves():
+    decode_logits = torch.zeros(256, 1000)
+    assert logits_output(decode_logits, 16, 1000) == (True, decode_logits)
+    assert logits_output(decode_logits, 257, 1000) == (True, None)  # too few rows: a small buffer of its own
+    assert logits_output(None, 16, 128_256) == (True, None)  # 8 MiB
+    assert logits_output(None, 256, 128_256) == (False, None)  # 125 MiB: hidden states out, the head eager
+    assert logits_output(None, HEAD_BUFFER_LIMIT // (4 * 1000), 1000)[0]
+    assert not logits_output(None, HEAD_BUFFER_LIMIT // (4 * 1000) + 1, 1000)[0]

@@ -22,7 +22,7 @@ from graphs.budget import ReplanSummary, capture_within_budget
 from graphs.decode import DecodeGraphRunner
 from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
-from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
+from graphs.prefill import PrefillGraphRunner, default_prefill_ladder, logits_output
 from graphs.profile import BatchProfile
 from worker.attention.factory import create_attention_backend
 from worker.config import EngineConfig
@@ -278,9 +278,8 @@ class Worker:
                               decode: DecodeGraphRunner | EagerRunner | None = None,
                               ) -> PrefillGraphRunner | EagerRunner:
         """The prefill graph runner (not yet captured) over its candidate ladder, or the eager runner
-        saying why prefill has no graphs. Its graphs end in the LM head's logits (no eager GEMM after a
-        replay, so no second cuBLAS workspace), in ``decode``'s static logits when that is a graph
-        runner with a row for every request slot."""
+        saying why prefill has no graphs; where its logits go: :func:`graphs.prefill.logits_output`
+        (``decode``'s static logits when that is a graph runner)."""
         name, reason = self._graph_backend_name("prefill")
         if name is None:
             return EagerRunner("prefill", reason, self.graph_metrics)
@@ -293,10 +292,10 @@ class Worker:
                         "with fixed request slots; breakable is the production default")
         step = self._compiled_step("prefill") if name == "tc_piecewise" else \
             ModelPrefillStep(self.model, self.attention, breakable=name != "full")
-        shared = getattr(decode, "buffers", None)
-        logits_out = shared.logits if shared is not None and shared.logits.shape[0] >= slots else None
+        shared = decode.buffers.logits if isinstance(decode, DecodeGraphRunner) else None
+        in_graph, logits_out = logits_output(shared, slots, self.arch.vocab_size)
         return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder, slots, p.max_padding_ratio,
-                                  self.graph_metrics, self.dtype, logits=True, logits_out=logits_out)
+                                  self.graph_metrics, self.dtype, logits=in_graph, logits_out=logits_out)
 
     def _compiled_step(self, phase: str) -> CompiledPrefillStep | CompiledDecodeStep:
         """The phase's torch.compile step (tc_piecewise prefill, tc_full decode), built once: re-plans
