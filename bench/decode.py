@@ -39,8 +39,10 @@ its compile and capture seconds apart in ``graph_memory`` (a failed compile is i
 ``compile_error`` there and no rows).
 ``full_norm_linear`` and ``eager_norm_linear`` (batches up to 16; ``--no-norm-linear`` leaves them
 out) are the full graph and the eager step with ``model.norm_linear_rows=16``: each layer's add +
-RMSNorm inside the qkv and gate/up projections (worker/model/norm_linear.py, six kernels a layer
-instead of nine); ``norm_linear_over_full`` below 1: the fused layers are faster.
+RMSNorm inside the qkv and gate/up projections, RoPE and the KV write inside the qkv one
+(worker/model/norm_linear.py, norm_qkv_rope.py: five kernels a layer instead of nine);
+``full_norm_linear_no_rope`` the same without RoPE in the qkv kernel (six);
+``norm_linear_over_full`` below 1: the fused layers are faster.
 
 GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
 --presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
@@ -142,7 +144,7 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
     eager_step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     fused_batches = [b for b in batches if b <= NORM_LINEAR_ROWS] if norm_linear else []
     for name, rows_fused, bs in (("eager", 0, batches), ("eager_norm_linear", NORM_LINEAR_ROWS, fused_batches)):
-        setup.model.use_norm_linear(rows_fused)
+        setup.model.use_norm_linear(rows_fused)  # with RoPE in the qkv kernel
         for b in bs:
             live = setup.batch(b)
 
@@ -161,16 +163,17 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
     if tc_full:
         variants.append(("tc_full", setup.attention))
     if fused_batches:
-        variants.append(("full_norm_linear", setup.attention))
+        variants += [("full_norm_linear", setup.attention), ("full_norm_linear_no_rope", setup.attention)]
     for name, attention in variants:
-        setup.model.use_norm_linear(NORM_LINEAR_ROWS if name == "full_norm_linear" else 0)
+        fused = name.startswith("full_norm_linear")
+        setup.model.use_norm_linear(NORM_LINEAR_ROWS if fused else 0, rope=name == "full_norm_linear")
         if name == "tc_full":  # graphs.decode.backend=tc_full: the compiled forward, one full graph a shape
             step = CompiledDecodeStep(setup.model, attention)
             backend = create_backend("tc_full", CUDA)
         else:
             step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
             backend = create_backend(name.split("_")[0], CUDA)
-        runner = DecodeGraphRunner(step, backend, fused_batches if name == "full_norm_linear" else batches)
+        runner = DecodeGraphRunner(step, backend, fused_batches if fused else batches)
         summary = runner.capture_all(progress=False)
         if runner.failed:
             raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
@@ -272,6 +275,7 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
             r["norm_linear_over_full"] = rows[("full_norm_linear", b)] / full
             r["eager_norm_linear_ms"] = rows[("eager_norm_linear", b)] * 1e3
             r["eager_norm_linear_over_eager"] = rows[("eager_norm_linear", b)] / rows[("eager", b)]
+            r["norm_linear_no_rope_over_full"] = rows[("full_norm_linear_no_rope", b)] / full
         if ("tc_full", b) in rows:  # the torch.compile'd forward in one full graph a shape
             r["tc_full_ms"] = rows[("tc_full", b)] * 1e3
             r["tc_full_over_full"] = rows[("tc_full", b)] / full
@@ -344,7 +348,8 @@ def report(results: dict, peers: list[str]) -> None:
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
                  "two_kernel_over_fused", "split_over_full", "no_split_over_full", "tc_full_ms",
-                 "tc_full_over_full", "full_norm_linear_ms", "norm_linear_over_full", "eager_ms",
+                 "tc_full_over_full", "full_norm_linear_ms", "norm_linear_over_full",
+                 "norm_linear_no_rope_over_full", "eager_ms",
                  "eager_norm_linear_over_eager", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():

@@ -6,7 +6,10 @@ For each preset's two fused projections (qkv; gate/up with SiLU-and-mul) and eac
 :func:`worker.model.norm_linear.launch` with its default tiling, and ``best`` the fastest of a
 sweep of tilings (block_n x block_k x warps x stages). The layer's two plain projections (o_proj,
 down) are rows too: ``unfused`` is cuBLAS, ``fused`` the same kernel without its norm
-(:func:`worker.model.norm_linear.linear_rows`), which says whether they would gain from it.
+(:func:`worker.model.norm_linear.linear_rows`), which says whether they would gain from it. And
+``qkv_rope``: the qkv kernel with RoPE and the KV write folded in
+(:mod:`worker.model.norm_qkv_rope`) against norm + cuBLAS + the fused RoPE store (``unfused``) and
+against the qkv kernel + the RoPE store (``best``'s column holds that: two kernels).
 Each is timed inside a CUDA graph of ``--calls`` back-to-back calls, as a decode graph runs them
 (launch gaps in, host out): per-call time is the replay's CUDA-event time over the calls, median
 of ``--repeats`` replays. ``GB/s`` is the weight's bytes over the time, beside the
@@ -36,6 +39,8 @@ from worker.model.norm_linear import MAX_ROWS, Tiling, default_tiling, launch, l
 CUDA = torch.device("cuda")
 #: (hidden, qkv rows, intermediate) of each preset's layer, unsharded (q_size = hidden in both).
 SHAPES = {"tinyllama-1.1b": (2048, 2048 + 2 * 256, 5632), "llama-3-8b": (4096, 4096 + 2 * 1024, 14336)}
+#: (q heads, KV heads, head_dim) of each preset.
+HEADS = {"tinyllama-1.1b": (32, 4, 64), "llama-3-8b": (32, 8, 128)}
 SWEEP = [Tiling(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256, 512), (4, 8), (3, 4))]
 
 
@@ -100,6 +105,53 @@ def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args, norm: b
     return row
 
 
+def bench_qkv_rope(preset: str, rows: int, args) -> dict:
+    """norm + qkv + RoPE + KV write: three kernels (flashinfer's norm, cuBLAS, the fused RoPE store),
+    two (the norm-linear qkv kernel, the RoPE store) and one (:mod:`worker.model.norm_qkv_rope`)."""
+    from flashinfer.norm import fused_add_rmsnorm
+
+    from worker.attention.rope_store import launch as rope_store
+    from worker.model import norm_qkv_rope
+    from worker.model.rotary import cos_sin_cache
+
+    hidden, qkv_rows, _ = SHAPES[preset]
+    q_heads, kv_heads, head_dim = HEADS[preset]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, hidden, device=CUDA, generator=g).bfloat16()
+    residual = torch.randn(rows, hidden, device=CUDA, generator=g).bfloat16()
+    norm_w = torch.ones(hidden, device=CUDA, dtype=torch.bfloat16)
+    w = (torch.randn(qkv_rows, hidden, device=CUDA, generator=g) / hidden ** 0.5).bfloat16()
+    cache = torch.zeros(rows + 2, 2, 16, kv_heads, head_dim, device=CUDA, dtype=torch.bfloat16)
+    positions = torch.arange(rows, device=CUDA) + 500
+    locations = torch.arange(rows, device=CUDA) * 16 + 3
+    table = cos_sin_cache(head_dim, 10000.0, None, 4096, CUDA)
+    hx, hr = x.clone(), residual.clone()
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+
+    def store(qkv):
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        rope_store(q, k, v, positions, table, cache, locations)
+
+    def unfused():
+        fused_add_rmsnorm(hx, hr, norm_w, 1e-5)
+        store(F.linear(hx, w))
+
+    def two():
+        store(launch(x, residual, norm_w, 1e-5, w)[0])
+
+    def one():
+        norm_qkv_rope.launch(x, residual, norm_w, 1e-5, w, None, q_heads, positions, table, cache, locations)
+
+    row = {"rows": rows, "hidden": hidden, "out": qkv_rows, "silu": False, "norm": True,
+           "weight_bytes": w.numel() * w.element_size()}
+    for name, fn in (("unfused", unfused), ("best", two), ("fused", one)):
+        row[f"{name}_us"] = graph_seconds(fn, args.calls, args.repeats) * 1e6
+        row[f"{name}_GBps"] = row["weight_bytes"] / row[f"{name}_us"] / 1e3
+    row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]
+    row["best_over_unfused"] = row["best_us"] / row["unfused_us"]
+    return row
+
+
 def vars_of(t: Tiling) -> dict:
     return {"block_n": t.block_n, "block_k": t.block_k, "num_warps": t.num_warps, "num_stages": t.num_stages}
 
@@ -130,6 +182,12 @@ def main() -> None:
             table.append(r)
             print(f"{preset} {proj} rows {rows}: unfused {r['unfused_us']:.1f} us, fused {r['fused_us']:.1f} us, "
                   f"best {r.get('best_us', float('nan')):.1f} us {r.get('best_tiling', '')}", flush=True)
+        for rows in rows_list:
+            r = {"preset": preset, "projection": "qkv_rope", **bench_qkv_rope(preset, rows, args),
+                 "copy_GBps": bw / 1e9}
+            table.append(r)
+            print(f"{preset} qkv_rope rows {rows}: three kernels {r['unfused_us']:.1f} us, two {r['best_us']:.1f} us, "
+                  f"one {r['fused_us']:.1f} us", flush=True)
     print_table(table, ["preset", "projection", "rows", "unfused_us", "fused_us", "best_us", "fused_over_unfused",
                         "best_over_unfused", "unfused_GBps", "fused_GBps", "best_GBps"])
     results = {"env": environment(), "copy_bandwidth_Bps": bw, "args": vars(args), "rows": table}

@@ -148,13 +148,15 @@ def test_bad_inputs_are_refused_by_name(change, needle):
     assert all(torch.equal(v, case[k]) for k, v in kept.items())
 
 
-def _decode_run(path, rows, dtype=torch.float32, device="cpu", backend="torch", kernels=None):
+def _decode_run(path, rows, dtype=torch.float32, device="cpu", backend="torch", kernels=None, rope=True):
     """A prefill of three prompts (more tokens than the kernel's rows: the unfused layers) and
     eight decode steps of three rows; returns (logits of every step, greedy tokens)."""
     from tests.reference import OwnModel, prefill_then_greedy
 
     own = OwnModel(path, dtype=dtype, device=device, backend=backend, kernels=kernels)
-    own.model.use_norm_linear(rows)
+    own.model.use_norm_linear(rows, rope)
+    assert all((layer._qkv_rope is not None) == (rows > 0 and rope and not own.arch.qk_norm)
+               for layer in own.model.layers)
     return prefill_then_greedy(own, [list(range(3, 3 + n)) for n in (5, 17, 30)], 8)
 
 
@@ -169,16 +171,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_model_with_the_fused_layers_equals_the_unfused_ones(preset, checkpoint_dir, one_thread):
-    """float32 on CPU (the interpreter): Llama, Qwen2 (qkv bias, tied head) and Qwen3 (q/k norms)
-    give the unfused layers' logits to 1e-5 and the same greedy tokens; the prefill (30+ tokens)
-    does not take the kernel and equals the unfused run exactly."""
+@pytest.mark.parametrize("preset, rope", [("tiny-llama", True), ("tiny-llama", False), ("tiny-qwen2", True),
+                                          ("tiny-qwen3", True)])
+def test_model_with_the_fused_layers_equals_the_unfused_ones(preset, rope, checkpoint_dir, one_thread):
+    """float32 on CPU (the interpreter): Llama, Qwen2 (qkv bias, tied head) and Qwen3 (q/k norms:
+    no RoPE in the qkv kernel) give the unfused layers' logits to 1e-5 and the same greedy tokens,
+    with RoPE and the KV write in the qkv kernel (worker/model/norm_qkv_rope.py) and without; the
+    prefill (30+ tokens) does not take the kernels and equals the unfused run exactly."""
     from tests.reference import rel_err
 
     path = checkpoint_dir(preset)
     off_logits, off_tokens = _decode_run(path, 0)
-    on_logits, on_tokens = _decode_run(path, 4)
+    on_logits, on_tokens = _decode_run(path, 4, rope=rope)
     assert on_tokens == off_tokens
     assert torch.equal(on_logits[0], off_logits[0])
     err = max(rel_err(a, b) for a, b in zip(on_logits[1:], off_logits[1:]))
@@ -236,40 +240,21 @@ def test_gpu_kernel_replays_from_a_graph_with_new_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_gpu_model_with_the_fused_layers_equals_the_unfused_ones(preset, checkpoint_dir):
-    """bf16 on flashinfer: the same greedy tokens, logits within bf16 noise."""
+@pytest.mark.parametrize("preset, rope", [("tiny-llama", True), ("tiny-llama", False), ("tiny-qwen3", True)])
+def test_gpu_model_with_the_fused_layers_equals_the_unfused_ones(preset, rope, checkpoint_dir):
+    """bf16 on flashinfer, with RoPE and the KV write in the qkv kernel and without: the same greedy
+    tokens, logits within bf16 noise."""
     pytest.importorskip("flashinfer")
     from tests.reference import rel_l2
     from worker.model.kernels import select_kernels
 
     path = checkpoint_dir(preset)
-    runs = {rows: _decode_run(path, rows, torch.bfloat16, "cuda", "flashinfer", select_kernels(CUDA))
+    runs = {rows: _decode_run(path, rows, torch.bfloat16, "cuda", "flashinfer", select_kernels(CUDA), rope)
             for rows in (0, MAX_ROWS)}
     assert runs[MAX_ROWS][1] == runs[0][1]
     err = rel_l2(torch.cat(runs[MAX_ROWS][0]), torch.cat(runs[0][0]))
-    print(f"{preset}: norm_linear vs unfused layers: logits rel L2 {err:.2e}")
+    print(f"{preset} (rope in the kernel: {rope}): norm_linear vs unfused layers: logits rel L2 {err:.2e}")
     assert err <= 1e-2
-
-
-def test_engine_with_the_config_key_generates_the_unfused_tokens(checkpoint_dir):
-    """``model.norm_linear_rows`` through the engine (decode graphs on the ``debug`` backend: the
-    runner's padding into captured shapes, the same path as GPU graphs): a mix of prompts with
-    continuous batching gives the unfused engine's greedy tokens, and the layers carry the setting."""
-    from deploy.config import load_config
-    from worker.engine import Engine
-    from worker.sampling.params import SamplingParams
-
-    path = checkpoint_dir("tiny-llama")
-    prompts = [[5, 6, 7, 8], list(range(3, 40)), [9] * 3, list(range(100, 121)), [4] * 9]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    outs = {}
-    for rows in (0, 8):
-        engine = Engine(load_config(None, [f"model.path={path}", f"model.norm_linear_rows={rows}",
-                                           "graphs.decode.backend=debug"]))
-        assert all(layer.norm_linear_rows == rows for layer in engine.worker.model.layers)
-        outs[rows] = [o.token_ids for o in engine.generate(prompts, [params] * len(prompts))]
-    assert outs[8] == outs[0]
 
 
 @pytest.mark.gpu

@@ -24,9 +24,10 @@ class ModelConfig(Section):
     max_model_len: longest sequence (prompt + output) in tokens; None = from the checkpoint.
     seed: random seed for sampling and initialisation.
     norm_linear_rows: forwards of at most this many tokens (decode steps; 1-16) run each layer's
-        residual add + RMSNorm inside the projection after it, one Triton kernel for norm + qkv and
-        one for norm + gate/up + SiLU-and-mul (worker/model/norm_linear.py): six kernels a layer
-        instead of nine. 0 (default): off, until the decode bench shows it faster on the GPU. A
+        residual add + RMSNorm inside the projection after it, one Triton kernel for norm + qkv
+        (+ RoPE and the KV write where the attention shape allows: worker/model/norm_qkv_rope.py)
+        and one for norm + gate/up + SiLU-and-mul (worker/model/norm_linear.py): five kernels a
+        layer instead of nine. 0 (default): off, until the decode bench shows it faster on the GPU. A
         setting is per token count, so eager steps and captured shapes of one size agree; on CPU
         the kernel runs in Triton's interpreter (tests only: slow).
     """

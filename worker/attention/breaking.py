@@ -38,3 +38,11 @@ class BreakingAttention:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _attention_break(self.backend, layer, q, out)
         return out
+
+    def kv_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.kv_write_target(layer)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        _attention_break(self.backend, layer, q, out)
+        return out

@@ -98,6 +98,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.norm_linear_rows = 0
         self._norm_linear = None  # worker.model.norm_linear.launch while norm_linear_rows > 0
+        self._qkv_rope = None  # worker.model.norm_qkv_rope.launch where the layer's shape takes it
         prefix = f"model.layers.{layer}"
         self.self_attn = Attention(arch, layer, tp, dtype, kernels)
         self.mlp = MLP(arch, layer, tp, dtype, kernels)
@@ -121,10 +122,18 @@ class DecoderLayer(nn.Module):
 
     def _forward_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                              attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        launch = self._norm_linear
-        ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
-        qkv, residual = launch(x, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
-        x = self.self_attn.attend(qkv, rope, attn)
+        launch, sa = self._norm_linear, self.self_attn
+        ln, qkv_proj = self.input_layernorm, sa.qkv_proj
+        target = attn.kv_write_target(sa.layer) if self._qkv_rope is not None and hasattr(attn, "kv_write_target") \
+            else None
+        if target is not None:  # RoPE and the KV write in the projection's kernel too
+            q, residual = self._qkv_rope(x, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias, sa.q_heads,
+                                         rope.positions, rope.cos_sin_cache, *target)
+            out = attn.attend_stored(sa.layer, q.view(q.shape[0], sa.q_heads, sa.head_dim))
+            x = sa.o_proj(out.reshape(q.shape[0], sa.q_size))
+        else:
+            qkv, residual = launch(x, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
+            x = sa.attend(qkv, rope, attn)
         ln, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
         act, residual = launch(x, residual, ln.weight, ln.eps, gate_up.weight, None, silu_mul=True)
         return self.mlp.down_proj(act), residual
@@ -165,12 +174,14 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def use_norm_linear(self, rows: int) -> None:
+    def use_norm_linear(self, rows: int, rope: bool = True) -> None:
         """Forwards of at most ``rows`` tokens (decode steps) run each layer's residual add + RMSNorm
-        inside the projection after it (:mod:`worker.model.norm_linear`); 0: never. Takes effect at
-        the next forward, so a graph runner sets it before capture; it needs Triton, and at most
-        :data:`worker.model.norm_linear.MAX_ROWS` rows."""
-        launch = None
+        inside the projection after it (:mod:`worker.model.norm_linear`); 0: never. With ``rope``,
+        where the attention shape allows (:func:`worker.model.norm_qkv_rope.supports`), the qkv
+        kernel also rotates q and k and writes the KV cache (:mod:`worker.model.norm_qkv_rope`).
+        Takes effect at the next forward, so a graph runner sets it before capture; it needs Triton,
+        and at most :data:`worker.model.norm_linear.MAX_ROWS` rows."""
+        launch = qkv_rope = None
         if rows:
             from worker.model.norm_linear import MAX_ROWS, launch
 
@@ -178,11 +189,17 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"norm_linear rows must be 0 (off) or 1-{MAX_ROWS}, got {rows}")
             if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 raise ValueError(f"norm_linear needs a float model dtype, not {self.dtype}")
+            from worker.model import norm_qkv_rope
+
+            s = self.attention_shape
+            if rope and norm_qkv_rope.supports(s.head_dim, s.num_q_heads, s.num_kv_heads, self.arch.qk_norm):
+                qkv_rope = norm_qkv_rope.launch
         for layer in self.layers:
-            layer.norm_linear_rows, layer._norm_linear = rows, launch
+            layer.norm_linear_rows, layer._norm_linear, layer._qkv_rope = rows, launch, qkv_rope
         if rows:
             log.info("forwards of <= %d tokens: each layer's add + RMSNorm runs inside its qkv and gate/up "
-                     "projections (worker/model/norm_linear.py)", rows)
+                     "projections (worker/model/norm_linear.py)%s", rows,
+                     ", RoPE and the KV write inside the qkv one" if qkv_rope else "")
 
     def load(self, ckpt: SafetensorsCheckpoint) -> None:
         """Fill every parameter from ``ckpt`` (only this rank's shards are read)."""

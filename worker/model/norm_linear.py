@@ -7,7 +7,8 @@ the activations are a few KiB, so :func:`add_rms_norm_linear` recomputes the nor
 every program (two passes over the row: the sum of squares, then the normed row times the weight
 tile) and folds the add, the norm, the GEMM, an optional bias and an optional SiLU-and-mul into
 one launch. A layer then runs six kernels (this one twice, RoPE + KV write, attention, o_proj and
-down) instead of nine.
+down) instead of nine, five where :mod:`worker.model.norm_qkv_rope` also folds RoPE and the KV
+write into the qkv one (it reuses this module's pass helpers).
 
 The arithmetic is flashinfer's: the sum ``x + residual`` in float32, stored rounded to the
 inputs' dtype as the new residual; the norm taken of the float32 sum; the normed row times the
@@ -34,32 +35,72 @@ import triton.language as tl
 MAX_ROWS = 16
 
 
+@triton.jit
+def row_scale(x_ptr, r_ptr, res_ptr, M, K, x_row, r_row, eps, store_residual, HAS_RESIDUAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pass 1: each row's ``1 / rms(x + residual)`` (float32, BLOCK_M); with ``store_residual`` (one
+    program's job) the sum is stored, rounded, as the new residual (rows of K, contiguous)."""
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    dtype = x_ptr.dtype.element_ty
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    store_rows = M * store_residual.to(tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask = m_mask[:, None] & (rk < K)[None, :]
+        h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(res_ptr + rm[:, None] * K + rk[None, :], h.to(dtype),
+                     mask=(rm < store_rows)[:, None] & (rk < K)[None, :])
+        squares += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
+def normed_tile(x_ptr, r_ptr, g_ptr, M, K, x_row, r_row, k0, scale, HAS_NORM: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Pass 2's activation tile ``[BLOCK_M, BLOCK_K]`` at column ``k0``: the normed row times the norm
+    weight, rounded once to the inputs' dtype (float32 in the interpreter: see DOT_FP32)."""
+    rm = tl.arange(0, BLOCK_M)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    k_mask = rk < K
+    mask = (rm < M)[:, None] & k_mask[None, :]
+    h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        a = (h * scale[:, None] * g[None, :]).to(x_ptr.dtype.element_ty)
+    else:
+        a = h.to(x_ptr.dtype.element_ty)
+    if DOT_FP32:  # Triton's interpreter multiplies 16-bit floats wrongly: the same values in float32
+        a = a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def weight_tile(w_ptr, rows, K, k0, row_mask, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``rows`` of the (N, K) contiguous weight at columns ``[k0, k0 + BLOCK_K)``, transposed for ``tl.dot``."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rows[:, None] * K + rk[None, :], mask=row_mask[:, None] & (rk < K)[None, :], other=0.0)
+    if DOT_FP32:
+        w = w.to(tl.float32)
+    return tl.trans(w)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count (Triton would specialize 1 and 16)
 def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, K, N, x_row, r_row, out_row,
                             eps, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            SILU_MUL: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                            SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     m_mask = rm < M
     dtype = x_ptr.dtype.element_ty
-
-    # Pass 1: the row's sum of squares (program 0 also stores the new residual).
     scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if HAS_NORM:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        store_rows = M * (pid == 0).to(tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mask = m_mask[:, None] & (rk < K)[None, :]
-            h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-                tl.store(res_ptr + rm[:, None] * K + rk[None, :], h.to(dtype),
-                         mask=(rm < store_rows)[:, None] & (rk < K)[None, :])
-            squares += tl.sum(h * h, axis=1)
-        scale = 1.0 / tl.sqrt(squares / K + eps)
+        scale = row_scale(x_ptr, r_ptr, res_ptr, M, K, x_row, r_row, eps, pid == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
 
     # Pass 2: the normed row times this program's BLOCK_N weight rows (and the up rows N below them).
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,29 +108,12 @@ def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        mask = m_mask[:, None] & k_mask[None, :]
-        h = tl.load(x_ptr + rm[:, None] * x_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h += tl.load(r_ptr + rm[:, None] * r_row + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-            a = (h * scale[:, None] * g[None, :]).to(dtype)
-        else:
-            a = h.to(dtype)
-        if DOT_FP32:  # Triton's interpreter multiplies 16-bit floats wrongly: the same values in float32
-            a = a.to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0)
-        if DOT_FP32:
-            w = w.to(tl.float32)
-        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        a = normed_tile(x_ptr, r_ptr, g_ptr, M, K, x_row, r_row, k0, scale, HAS_NORM, HAS_RESIDUAL, BLOCK_M,
+                        BLOCK_K, DOT_FP32)
+        acc += tl.dot(a, weight_tile(w_ptr, rn, K, k0, n_mask, BLOCK_K, DOT_FP32), input_precision=DOT_PRECISION)
         if SILU_MUL:
-            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=w_mask, other=0.0)
-            if DOT_FP32:
-                w_up = w_up.to(tl.float32)
-            acc_up += tl.dot(a, tl.trans(w_up), input_precision=DOT_PRECISION)
+            acc_up += tl.dot(a, weight_tile(w_ptr, rn + N, K, k0, n_mask, BLOCK_K, DOT_FP32),
+                             input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
