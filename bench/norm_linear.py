@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import copy_bandwidth, cuda_times, environment, print_table, write_results  # noqa: E402
-from worker.model.norm_linear import MAX_ROWS, Tiling, default_tiling, launch, linear_rows  # noqa: E402
+from worker.model.norm_linear import MAX_ROWS, Tiling, launch, linear_rows, tiling_for  # noqa: E402
 
 CUDA = torch.device("cuda")
 #: (hidden, qkv rows, intermediate) of each preset's layer, unsharded (q_size = hidden in both).
@@ -85,7 +85,7 @@ def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args, norm: b
            "weight_bytes": w.numel() * w.element_size()}
     row["unfused_us"] = graph_seconds(unfused, args.calls, args.repeats) * 1e6
     row["fused_us"] = graph_seconds(fused, args.calls, args.repeats) * 1e6
-    row["default_tiling"] = vars_of(default_tiling(rows_out, hidden, CUDA))
+    row["default_tiling"] = vars_of(tiling_for(rows_out, hidden, rows))
     if not args.quick:
         times = {}
         for t in SWEEP:

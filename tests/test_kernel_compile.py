@@ -29,4 +29,4 @@ def test_decode_kernels_compile_for_sm90():
     assert res.returncode == 0 and rows, res.stderr[-3000:]
     failed = [f"{r['name']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed)
-    assert len(rows) == 6
+    assert len(rows) == 12

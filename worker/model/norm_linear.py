@@ -17,9 +17,11 @@ rounded to the dtype before ``silu(gate) * up`` in float32 (flashinfer's ``silu_
 them rounded). A GEMM of a different tiling than cuBLAS's sums in another order: results agree
 to rounding, not bit for bit, so a model takes one path or the other for a whole captured shape.
 
-For at most :data:`MAX_ROWS` rows: the rows ride in one 16-row tile of ``tl.dot``, which a decode
-step's weight-bound GEMM pays nothing for. CUDA tensors run the compiled kernel; CPU tensors run
-the same kernel in Triton's interpreter (the CPU test suite; the serving path never uses it there).
+For at most :data:`MAX_ROWS` rows: 2 to 16 rows ride in one 16-row tile of ``tl.dot``, which a
+decode step's weight-bound GEMM pays nothing for; one row (batch 1) takes a vector product, whose
+program keeps a fraction of the registers (so more of them stream the weight at once). CUDA
+tensors run the compiled kernel; CPU tensors run the same kernel in Triton's interpreter (the CPU
+test suite; the serving path never uses it there).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ import triton.language as tl
 
 #: Most rows (tokens) one launch takes: the kernel's row tile.
 MAX_ROWS = 16
+
+
+def row_tile(rows: int) -> int:
+    """The kernel's row tile for ``rows`` rows: 1 (a vector product) or :data:`MAX_ROWS` (``tl.dot``)."""
+    return 1 if rows == 1 else MAX_ROWS
 
 
 @triton.jit
@@ -80,13 +87,18 @@ def normed_tile(x_ptr, r_ptr, g_ptr, M, K, x_row, r_row, k0, scale, HAS_NORM: tl
 
 
 @triton.jit
-def weight_tile(w_ptr, rows, K, k0, row_mask, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """``rows`` of the (N, K) contiguous weight at columns ``[k0, k0 + BLOCK_K)``, transposed for ``tl.dot``."""
+def multiply_add(acc, a, w_ptr, rows, K, k0, row_mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``acc + a @ W[rows, k0:k0 + BLOCK_K].T`` for the (N, K) contiguous weight: one row
+    (``BLOCK_M == 1``, batch 1) as a vector product in float32 on the CUDA cores, which keeps few
+    registers; 16 rows as a ``tl.dot`` on the tensor cores (its smallest tile)."""
     rk = k0 + tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + rows[:, None] * K + rk[None, :], mask=row_mask[:, None] & (rk < K)[None, :], other=0.0)
+    if BLOCK_M == 1:
+        return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
     if DOT_FP32:
         w = w.to(tl.float32)
-    return tl.trans(w)
+    return acc + tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count (Triton would specialize 1 and 16)
@@ -110,10 +122,9 @@ def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr,
     for k0 in range(0, K, BLOCK_K):
         a = normed_tile(x_ptr, r_ptr, g_ptr, M, K, x_row, r_row, k0, scale, HAS_NORM, HAS_RESIDUAL, BLOCK_M,
                         BLOCK_K, DOT_FP32)
-        acc += tl.dot(a, weight_tile(w_ptr, rn, K, k0, n_mask, BLOCK_K, DOT_FP32), input_precision=DOT_PRECISION)
+        acc = multiply_add(acc, a, w_ptr, rn, K, k0, n_mask, BLOCK_M, BLOCK_K, DOT_PRECISION, DOT_FP32)
         if SILU_MUL:
-            acc_up += tl.dot(a, weight_tile(w_ptr, rn + N, K, k0, n_mask, BLOCK_K, DOT_FP32),
-                             input_precision=DOT_PRECISION)
+            acc_up = multiply_add(acc_up, a, w_ptr, rn + N, K, k0, n_mask, BLOCK_M, BLOCK_K, DOT_PRECISION, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
@@ -140,25 +151,14 @@ class Tiling:
     num_stages: int = 3
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def tiling_for(n: int, k: int, multiprocessors: int) -> Tiling:
-    """The widest weight tile that still gives each of ``multiprocessors`` a program (a decode GEMM
-    is bound by how many weight bytes are in flight: narrow tiles, many programs, deep K steps)."""
-    block_n = 16
-    for wider in (32, 64):
-        if triton.cdiv(n, wider) >= multiprocessors:
-            block_n = wider
-    return Tiling(block_n, max(16, min(256, triton.next_power_of_2(k))))
-
-
-@functools.cache
-def default_tiling(n: int, k: int, device: torch.device) -> Tiling:
-    """:func:`tiling_for` this device's multiprocessors (one on CPU)."""
-    return tiling_for(n, k, _multiprocessors(device))
+def tiling_for(n: int, k: int, rows: int) -> Tiling:
+    """The default tiling for ``rows`` rows: 16 weight rows a program (the most programs: every
+    projection here has thousands of rows, so at least 160 programs stream it), K steps of 256
+    columns for the vector product and 128 for ``tl.dot``. Chosen by register use compiled for
+    sm_90 (tests/kernel_compile.py's variants through ptxas: 56 registers a thread for the vector
+    product and 128-210 for the dot at these sizes, none spilled, where wider tiles or deeper K
+    steps spill), not yet by time: ``bench/norm_linear.py`` sweeps the tilings on a GPU."""
+    return Tiling(16, max(16, min(256 if rows == 1 else 128, triton.next_power_of_2(k))))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -212,7 +212,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    t = tiling or default_tiling(n, k, x.device)
+    t = tiling or tiling_for(n, k, m)
     cuda = x.device.type == "cuda"
     kernel = _add_norm_linear_kernel if cuda else _interpreted()
     extra = {"num_warps": t.num_warps, "num_stages": t.num_stages} if cuda else {}
@@ -222,7 +222,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
         bias if bias is not None else unused, out, new_residual, m, k, n, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        BLOCK_M=row_tile(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or not cuda else "tf32", DOT_FP32=not cuda, **extra)
     return out, new_residual
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.model.norm_linear import MAX_ROWS, normed_tile, row_scale, weight_tile
+from worker.model.norm_linear import multiply_add, normed_tile, row_scale, row_tile, tiling_for
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -49,8 +49,8 @@ def _norm_qkv_rope_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, q_ptr, res_ptr, pos
     for k0 in range(0, K, BLOCK_K):
         a = normed_tile(x_ptr, r_ptr, g_ptr, M, K, x_row, r_row, k0, scale, True, HAS_RESIDUAL, BLOCK_M, BLOCK_K,
                         DOT_FP32)
-        acc1 += tl.dot(a, weight_tile(w_ptr, first, K, k0, every, BLOCK_K, DOT_FP32), input_precision=DOT_PRECISION)
-        acc2 += tl.dot(a, weight_tile(w_ptr, second, K, k0, every, BLOCK_K, DOT_FP32), input_precision=DOT_PRECISION)
+        acc1 = multiply_add(acc1, a, w_ptr, first, K, k0, every, BLOCK_M, BLOCK_K, DOT_PRECISION, DOT_FP32)
+        acc2 = multiply_add(acc2, a, w_ptr, second, K, k0, every, BLOCK_M, BLOCK_K, DOT_PRECISION, DOT_FP32)
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + first).to(tl.float32)[None, :]
         acc2 += tl.load(b_ptr + second).to(tl.float32)[None, :]
@@ -100,20 +100,15 @@ def supports(head_dim: int, q_heads: int, kv_heads: int, has_qk_norm: bool) -> b
         and kv_heads > 0
 
 
-def pair_block(half: int, heads: int, multiprocessors: int) -> int:
-    """Pairs a program rotates: 16 (the least ``tl.dot`` takes), or 32 when that still leaves a program
-    per multiprocessor."""
-    return 32 if half >= 32 and heads * (half // 32) >= multiprocessors else 16
-
-
 def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
            weight: torch.Tensor, bias: torch.Tensor | None, q_heads: int, positions: torch.Tensor,
            cos_sin_cache: torch.Tensor, cache: torch.Tensor, locations: torch.Tensor,
-           block_p: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           block_p: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated queries ``(rows, q_heads * head_dim)`` and the new residual of ``x`` (rows <= 16); writes
     rotated keys and the values of every row at its flat location in one layer's ``cache`` (pages,
     2, page_size, kv_heads, head_dim). ``weight`` stacks the q, k and v rows (+ ``bias``); ``positions``
-    and ``locations`` hold a row's entry at its index. Unchecked: the caller's inputs hold
+    and ``locations`` hold a row's entry at its index; ``block_p``: rotation pairs a program owns
+    (16, the least a ``tl.dot`` operand takes, or 32). Unchecked: the caller's inputs hold
     :func:`supports` and :mod:`worker.model.norm_linear`'s shapes by construction (a decoder layer)."""
     m, k = x.shape
     _, _, page_size, kv_heads, head_dim = cache.shape
@@ -122,9 +117,6 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     q = torch.empty((m, q_heads * head_dim), dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
     cuda = x.device.type == "cuda"
-    if block_p is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if cuda else 1
-        block_p = pair_block(half, heads, sms)
     kernel = _norm_qkv_rope_kernel if cuda else _interpreted()
     extra = {"num_warps": 4, "num_stages": 3} if cuda else {}
     unused = weight
@@ -133,6 +125,6 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
         q, new_residual, positions, locations, cos_sin_cache, cache, m, k, x.stride(0),
         residual.stride(0) if residual is not None else 0, eps, HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, HALF=half, PAGE_SIZE=page_size,
-        BLOCK_M=MAX_ROWS, BLOCK_P=block_p, BLOCK_K=max(16, min(256, triton.next_power_of_2(k))),
+        BLOCK_M=row_tile(m), BLOCK_P=block_p, BLOCK_K=tiling_for(2 * block_p, k, m).block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or not cuda else "tf32", DOT_FP32=not cuda, **extra)
     return q, new_residual
