@@ -86,7 +86,7 @@ def bench_shape(hidden: int, rows_out: int, silu: bool, rows: int, args, norm: b
     row["unfused_us"] = graph_seconds(unfused, args.calls, args.repeats) * 1e6
     row["fused_us"] = graph_seconds(fused, args.calls, args.repeats) * 1e6
     row["default_tiling"] = vars_of(tiling_for(rows_out, hidden, rows))
-    if not args.quick:
+    if not args.quick and rows in args.sweep_rows_list:
         times = {}
         for t in SWEEP:
             try:
@@ -163,7 +163,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50, help="calls captured in one graph")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="default tiling only (no sweep)")
+    ap.add_argument("--sweep-rows", default="1,16", help="row counts whose tilings are swept (each row tile's)")
     args = ap.parse_args()
+    args.sweep_rows_list = [int(r) for r in args.sweep_rows.split(",") if r]
     rows_list = [int(r) for r in args.rows.split(",") if r]
     if any(not 0 < r <= MAX_ROWS for r in rows_list):
         ap.error(f"--rows must each be 1-{MAX_ROWS}")
