@@ -20,11 +20,11 @@ padding tokens carry a location on the dummy page like every other writer's.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from worker.triton_device import kernel_for
 
 
 @triton.jit
@@ -62,13 +62,6 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_row, k_row, v_row, pos_ptr, loc_pt
     v_at = v_ptr + t * v_row + head
     tl.store(v_dst, tl.load(v_at, mask=kv_mask).to(out), mask=kv_mask)
     tl.store(v_dst + HALF, tl.load(v_at + HALF, mask=kv_mask).to(out), mask=kv_mask)
-
-
-@functools.cache
-def _interpreted():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_rope_store_kernel.fn)
 
 
 def supports(head_dim: int) -> bool:
@@ -117,8 +110,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
         return
     _, _, page_size, kv_heads, head_dim = cache.shape
     q_heads = q.shape[1] // head_dim
-    kernel = _rope_store_kernel if q.device.type == "cuda" else _interpreted()
-    kernel[(tokens,)](
+    kernel_for(_rope_store_kernel, q.device)[(tokens,)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, locations, cos_sin_cache, cache,
         NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, BLOCK_Q=triton.next_power_of_2(q_heads),
         BLOCK_KV=triton.next_power_of_2(kv_heads), HALF=head_dim // 2, PAGE_SIZE=page_size)

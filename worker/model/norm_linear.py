@@ -26,12 +26,13 @@ test suite; the serving path never uses it there).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from worker.triton_device import dot_options, kernel_for
 
 #: Most rows (tokens) one launch takes: the kernel's row tile.
 MAX_ROWS = 16
@@ -134,13 +135,6 @@ def _add_norm_linear_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_ptr,
     tl.store(out_ptr + rm[:, None] * out_row + rn[None, :], acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@functools.cache
-def _interpreted():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_add_norm_linear_kernel.fn)
-
-
 @dataclass(frozen=True)
 class Tiling:
     """A launch's tile sizes: ``block_n`` weight rows and ``block_k`` columns a step per program."""
@@ -213,17 +207,15 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
     t = tiling or tiling_for(n, k, m)
-    cuda = x.device.type == "cuda"
-    kernel = _add_norm_linear_kernel if cuda else _interpreted()
-    extra = {"num_warps": t.num_warps, "num_stages": t.num_stages} if cuda else {}
+    extra = {"num_warps": t.num_warps, "num_stages": t.num_stages} if x.device.type == "cuda" else {}
     unused = weight  # a valid pointer for the arguments a constexpr switch leaves unread
-    kernel[(triton.cdiv(n, t.block_n),)](
+    kernel_for(_add_norm_linear_kernel, x.device)[(triton.cdiv(n, t.block_n),)](
         x, residual if residual is not None else unused, norm_weight if norm_weight is not None else unused, weight,
         bias if bias is not None else unused, out, new_residual, m, k, n, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         BLOCK_M=row_tile(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or not cuda else "tf32", DOT_FP32=not cuda, **extra)
+        **dot_options(x.dtype, x.device), **extra)
     return out, new_residual
 
 

@@ -17,13 +17,12 @@ layout and locations as :mod:`worker.attention.rope_store`'s. Not for models wit
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from worker.model.norm_linear import multiply_add, normed_tile, row_scale, row_tile, tiling_for
+from worker.triton_device import dot_options, kernel_for
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -85,13 +84,6 @@ def _norm_qkv_rope_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, q_ptr, res_ptr, pos
     tl.store(dst + HALF, (keep * x2 + (1.0 - keep) * rotated2).to(out), mask=kv_mask)
 
 
-@functools.cache
-def _interpreted():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_norm_qkv_rope_kernel.fn)
-
-
 def supports(head_dim: int, q_heads: int, kv_heads: int, has_qk_norm: bool) -> bool:
     """Whether a layer of this attention shape can take the kernel: half of ``head_dim`` a power of two
     of at least 16 (a pair block is a ``tl.dot`` operand), no per-head q/k norm before RoPE."""
@@ -116,15 +108,13 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     heads = q_heads + 2 * kv_heads
     q = torch.empty((m, q_heads * head_dim), dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    cuda = x.device.type == "cuda"
-    kernel = _norm_qkv_rope_kernel if cuda else _interpreted()
-    extra = {"num_warps": 4, "num_stages": 3} if cuda else {}
-    unused = weight
-    kernel[(heads * (half // block_p),)](
+    extra = {"num_warps": 4, "num_stages": 3} if x.device.type == "cuda" else {}
+    unused = weight  # a valid pointer for the arguments a constexpr switch leaves unread
+    kernel_for(_norm_qkv_rope_kernel, x.device)[(heads * (half // block_p),)](
         x, residual if residual is not None else unused, norm_weight, weight, bias if bias is not None else unused,
         q, new_residual, positions, locations, cos_sin_cache, cache, m, k, x.stride(0),
         residual.stride(0) if residual is not None else 0, eps, HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, HALF=half, PAGE_SIZE=page_size,
         BLOCK_M=row_tile(m), BLOCK_P=block_p, BLOCK_K=tiling_for(2 * block_p, k, m).block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or not cuda else "tf32", DOT_FP32=not cuda, **extra)
+        **dot_options(x.dtype, x.device), **extra)
     return q, new_residual
