@@ -27,8 +27,8 @@ class ModelConfig(Section):
         residual add + RMSNorm inside the projection after it, one Triton kernel for norm + qkv
         (+ RoPE and the KV write where the attention shape allows: worker/model/norm_qkv_rope.py)
         and one for norm + gate/up + SiLU-and-mul (worker/model/norm_linear.py): five kernels a
-        layer instead of nine. 0 (default): off, until the decode bench shows it faster on the GPU. A
-        setting is per token count, so eager steps and captured shapes of one size agree; on CPU
+        layer instead of nine. 0 (default): off; measured slower than the nine-kernel layer on an
+        H100 (decode-20261205T101016: 1.05-1.42x at batches 1-16; bench/README.md). A setting is per token count, so eager steps and captured shapes of one size agree; on CPU
         the kernel runs in Triton's interpreter (tests only: slow).
     """
 
