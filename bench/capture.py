@@ -26,7 +26,10 @@
    Each configuration runs in a fresh process (peaks are per process). ``outside_GiB`` is what
    stays held outside the graph pool; ``--explain`` adds the largest live allocations outside
    the pool, and those live inside it (graph outputs, boundary buffers, workspaces: what a replay
-   keeps beside its scratch), by the line that made them (CUDA memory history: slower).
+   keeps beside its scratch), by the line that made them (CUDA memory history: slower), and
+   :mod:`bench.alloc_trace`'s reading of that history per pool: reserved and live peaks, the
+   allocator's slack, each new segment with what was free when it was made, and the bytes a
+   planned layout of the same allocations would need.
 5. ``--served N``: after that, N more prefills of a serving history (random totals up to the chunk,
    each split into 1-16 requests of random lengths; the same seeded history in every
    configuration): ``served_peak_GiB`` and ``served_held_GiB`` are the peak and what is still
@@ -138,8 +141,10 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     attention = create_attention_backend("flashinfer", shape, cache, rows, chunk, pages)
     pool = graph_pool(cuda)
     torch.cuda.synchronize()
+    start_segments = None
     if explain:
-        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=200_000)
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=400_000)
+        start_segments = torch.cuda.memory._snapshot()["segments"]
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
@@ -232,9 +237,17 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
         served_held = torch.cuda.memory_reserved() - base
     sites = [{"site": k, "MiB": v / 2**20} for k, v in outside_pool_sites(pool)] if explain else None
     pool_live = [{"site": k, "MiB": v / 2**20} for k, v in pool_sites(pool, True)] if explain else None
+    allocator = None
+    if explain:
+        from bench.alloc_trace import analyze
+
+        snap = torch.cuda.memory._snapshot()
+        allocator = analyze(start_segments, snap["device_traces"][torch.cuda.current_device()], snap["segments"],
+                            site=_site)
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode, "lm_head": lm_head,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
+            "allocator": allocator,
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -274,7 +287,8 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=256, help="largest decode batch (decode rows)")
     ap.add_argument("--no-decode", action="store_true", help="leave out the rows with decode")
     ap.add_argument("--explain", action="store_true",
-                    help="record CUDA memory history: the largest live allocations outside the pool, by site")
+                    help="record CUDA memory history: the largest live allocations by site, the allocator's "
+                         "slack and growths per pool, a planned layout's bytes (bench/alloc_trace.py)")
     ap.add_argument("--served", type=int, default=0,
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -353,6 +367,11 @@ def main() -> None:
         print_table(rows, ["backend", "ceiling", "warm_up", "decode", "served_modes", "served_peak_GiB",
                            "served_held_GiB", "served_vs_no_graph"])
     for r in rows:
+        if r.get("allocator"):
+            from bench.alloc_trace import summary_lines
+
+            for line in summary_lines(r["allocator"]):
+                print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {line}")
         for where, key in (("outside the pool", "outside_sites"), ("live in the pool", "pool_live_sites")):
             for site in r.get(key) or []:
                 print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {where} "
