@@ -6,7 +6,8 @@ profiled replay the number of kernels, their summed device time and the largest 
 gap between replay wall time and summed kernel time is launch/dependency overhead inside the
 graph; the gap between the step and the replay is host work. ``pipelined_ms`` issues steps back
 to back (host work of the next step overlapping the GPU work of this one, as a serving loop
-does). Variants compare flashinfer's two decode kernels.
+does). Variants compare flashinfer's decode kernels (``VARIANTS``), each with the engine's other
+defaults (fast plan, fused RoPE + KV write, KV split "auto").
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from graphs.decode import DecodeGraphRunner  # noqa: E402
 from worker.model_steps import ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
+#: flashinfer decode kernels by name: what each changes in the engine's default backend.
+VARIANTS = {"tensor_core_decode": {}, "cuda_core_decode": {"decode_use_tensor_cores": False},
+            "fa3_decode": {"decode_kernel": "fa3"}}
 
 
 def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]], float]:
@@ -73,12 +77,15 @@ def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list,
                    variant: str, page_size: int = 16) -> None:
     setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(batches), args.context, args.attention,
                   page_size)
-    if variant == "cuda_core_decode":
+    if variant in VARIANTS and VARIANTS[variant]:  # the engine's defaults but the decode kernel
         from worker.attention.flashinfer_backend import FlashInferBackend
 
         a = setup.attention
         setup.attention = FlashInferBackend(a.shape, setup.cache, a.max_num_rows, a.max_num_tokens,
-                                            setup.pages_per_row, decode_use_tensor_cores=False)
+                                            setup.pages_per_row, fast_decode_plan=True, fused_rope_store=True,
+                                            decode_graph_split_kv="auto", **VARIANTS[variant])
+    elif variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
     step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     runner = DecodeGraphRunner(step, create_backend("full", CUDA), batches)
     runner.capture_all(progress=False)
@@ -117,7 +124,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--attention", default="flashinfer")
     ap.add_argument("--variants", default="tensor_core_decode,cuda_core_decode",
-                    help="flashinfer decode kernel: FA2 prefill kernel (tensor cores) or the CUDA-core decode kernel")
+                    help="flashinfer decode kernels: tensor_core_decode (fa2's prefill kernel, the default), "
+                         "cuda_core_decode (the CUDA-core decode kernel), fa3_decode (fa3's, Hopper)")
     ap.add_argument("--page-sizes", default="16", help="KV-cache page sizes to compare (tokens)")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()

@@ -10,6 +10,8 @@ Timing: wall clock around host planning, replay and the LM head on the last toke
 device sync, median of ``--repeats`` after warm-up. Every variant but tc_piecewise runs in one
 process per preset; tc_piecewise runs in a subprocess of its own, because torch.compile state is
 process-wide (building a model after a compile in the same process once tripped an assert).
+``--fa3``: the full graphs again with flashinfer's fa3 prefill kernels (``attention.prefill_kernel``,
+Hopper; the first use JIT-compiles them) on the same cache: ``full_fa3_ms`` and ``fa3_over_fa2``.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
+    ap.add_argument("--fa3", action="store_true", help="also full graphs with fa3 prefill kernels (Hopper)")
     ap.add_argument("--tc-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -174,6 +177,13 @@ def main() -> None:
         e = eager(setup, lengths, args.repeats)
         b, b_build = graphs(setup, "breakable", lengths, args.repeats)
         f, f_build = graphs(setup, "full", lengths, args.repeats)
+        f3 = {}
+        if args.fa3:
+            fa2 = setup.attention
+            setup.attention = create_attention_backend("flashinfer", setup.model.attention_shape, setup.cache, SLOTS,
+                                                       max(lengths), setup.pages, prefill_kernel="fa3")
+            f3, _ = graphs(setup, "full", lengths, args.repeats)
+            setup.attention = fa2
         m = meta_peer(setup, lengths, args.repeats)
         del setup
         gc.collect()
@@ -195,9 +205,12 @@ def main() -> None:
                  "breakable_x": e[n] / b[n], "tc_piecewise_x": e[n] / tc[n] if n in tc else None}
             if isinstance(m, dict):
                 r["breakable_over_meta"] = b[n] / m[n]
+            if n in f3:
+                r["full_fa3_ms"], r["fa3_over_fa2"] = f3[n] * 1e3, f3[n] / f[n]
             rows.append(r)
     print_table(rows, ["preset", "tokens", "eager_ms", "breakable_ms", "full_ms", "tc_piecewise_ms", "meta_ms",
-                       "full_x", "breakable_x", "tc_piecewise_x", "breakable_over_meta"])
+                       "full_x", "breakable_x", "tc_piecewise_x", "breakable_over_meta"]
+                + (["full_fa3_ms", "fa3_over_fa2"] if args.fa3 else []))
     for preset, build in capture.items():
         print(preset, "build seconds:", build)
     payload = {"env": environment(), "rows": rows, "capture": capture, "args": vars(args)}

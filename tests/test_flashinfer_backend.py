@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from worker.attention.base import AttentionBatch, AttentionShape, kv_write_locations
 from worker.attention.flashinfer_backend import INSTALL_HINT, FlashInferBackend
-from worker.attention.flashinfer_metadata import build_metadata
+from worker.attention.flashinfer_metadata import build_metadata, check_kernels
 from worker.kv_cache import KVCacheShape, PagedKVCache
 
 PAGE = 16
@@ -145,6 +145,39 @@ def test_module_imports_without_flashinfer_and_construction_explains(monkeypatch
     with pytest.raises(ImportError, match="graphfleet\\[gpu\\]"):
         FlashInferBackend(SHAPE, cache, 4, 64)
     assert "attention.backend=torch" in INSTALL_HINT
+
+
+def test_kernel_families_are_checked_before_any_kernel_runs():
+    """fa2 everywhere; fa3 only on Hopper and, for decode, only as tensor-core decode; anything else
+    names the setting."""
+    check_kernels("fa2", "fa2", False, (8, 0))
+    check_kernels("fa3", "fa3", True, (9, 0))
+    with pytest.raises(ValueError, match=r"attention\.prefill_kernel='fa4'; allowed: fa2, fa3"):
+        check_kernels("fa4", "fa2", True, (9, 0))
+    with pytest.raises(ValueError, match=r"decode_kernel=fa3 needs a Hopper GPU \(sm_90\); this one is sm_80"):
+        check_kernels("fa2", "fa3", True, (8, 0))
+    with pytest.raises(ValueError, match=r"attention\.prefill_kernel=fa3 needs a Hopper GPU.*sm_100"):
+        check_kernels("fa3", "fa2", True, (10, 0))
+    with pytest.raises(ValueError, match="only as tensor-core decode"):
+        check_kernels("fa2", "fa3", False, (9, 0))
+
+
+def test_the_config_carries_every_flashinfer_setting_to_the_backend():
+    """Each attention setting but ``backend`` is flashinfer's and reaches its constructor by name."""
+    import dataclasses
+    import inspect
+
+    from configkit import ConfigError
+    from worker.attention.factory import FLASHINFER_OPTIONS, flashinfer_options
+    from worker.config import AttentionConfig
+
+    fields = {f.name for f in dataclasses.fields(AttentionConfig)} - {"backend"}
+    assert set(FLASHINFER_OPTIONS) == fields
+    assert fields <= set(inspect.signature(FlashInferBackend).parameters)
+    options = flashinfer_options(AttentionConfig(prefill_kernel="fa3", decode_kernel="fa3"))
+    assert options["prefill_kernel"] == options["decode_kernel"] == "fa3"
+    with pytest.raises(ConfigError, match="decode_kernel"):
+        AttentionConfig.from_dict({"decode_kernel": "fa4"})
 
 
 # ---------------------------------------------------------------- attention (GPU)
@@ -298,6 +331,39 @@ def test_prefill_cuda_graph_replays_with_more_tokens_than_captured(flashinfer):
         expected = eager.run(LAYER, q, k, v)
         n = real_rows(batch)
         torch.testing.assert_close(out[:n].float(), expected[:n].float(), **TOL)
+
+
+@pytest.mark.gpu
+def test_fa3_kernels_match_the_reference_eager_and_in_graphs(flashinfer):
+    """``prefill_kernel`` / ``decode_kernel`` fa3 (Hopper): prefill with a sentinel and tail padding,
+    eager decode with padding rows, and a captured decode shape re-planned for two batches."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 kernels need a Hopper GPU")
+    cache = make_cache()
+    backend = FlashInferBackend(SHAPE, cache, 8, 256, prefill_kernel="fa3", decode_kernel="fa3",
+                                fast_decode_plan=True)
+    batch = prefill_batch(Pages(0), [33, 5, 0, 40, 17], [13, 5, 0, 40, 1], 64)
+    backend.plan(batch)
+    q, k, v = qkv(batch.num_tokens, seed=1)
+    check(backend, batch, q, k, v, backend.run(LAYER, q, k, v))
+    batch = decode_batch(Pages(2), [1, 17, 33, 64, 5], num_rows=8)
+    backend.plan(batch)
+    q, k, v = qkv(8, seed=3)
+    check(backend, batch, q, k, v, backend.run(LAYER, q, k, v))
+
+    rows = 8
+    backend.graph_wrapper(False, rows)
+    q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
+    backend.plan(decode_batch(Pages(4), [3, 9], rows))
+    graph, out = capture(backend, q, k, v)
+    assert not backend._fast_wrappers, "the fast plan reproduces fa2's plan only"
+    for seed, seq_lens in ((5, [1, 17, 33, 64, 80]), (6, [40, 2, 16, 15, 31, 32, 48, 7])):
+        batch = decode_batch(Pages(seed), seq_lens, rows)
+        backend.plan(batch)
+        for dst, src in zip((q, k, v), qkv(rows, seed), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        check(backend, batch, q, k, v, out)
 
 
 @pytest.mark.gpu

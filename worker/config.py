@@ -12,6 +12,7 @@ from graphs.config import GraphsConfig
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackend = Literal["auto", "torch", "flashinfer"]
+FlashInferKernel = Literal["fa2", "fa3"]
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class ModelConfig(Section):
         (+ RoPE and the KV write where the attention shape allows: worker/model/norm_qkv_rope.py)
         and one for norm + gate/up + SiLU-and-mul (worker/model/norm_linear.py): five kernels a
         layer instead of nine. 0 (default): off; measured slower than the nine-kernel layer on an
-        H100 (decode-20261205T101016: 1.05-1.42x at batches 1-16; bench/README.md). A setting is per token count, so eager steps and captured shapes of one size agree; on CPU
-        the kernel runs in Triton's interpreter (tests only: slow).
+        H100 (decode-20261205T101016: 1.05-1.42x at batches 1-16; bench/README.md). A setting
+        is per token count, so eager steps and captured shapes of one size agree; on CPU the
+        kernel runs in Triton's interpreter (tests only: slow).
     """
 
     path: str | None = None
@@ -78,12 +80,20 @@ class AttentionConfig(Section):
         unsplit was 4-5% faster at batch 64 and 256 on tinyllama-1.1b (4 KV heads), a wash on
         llama-3-8b (8 KV heads), and 1.5-10% slower at batch 1 and 8. Unsplit, a long row in a big
         batch of short ones is read by few CTAs: the cost "auto" accepts where the batch fills the GPU.
+    prefill_kernel, decode_kernel: flashinfer only: the kernel family of prefill and of
+        (tensor-core) decode attention, flashinfer's ``backend``: "fa2" (FlashAttention-2 style,
+        every GPU) or "fa3" (FlashAttention-3 style, Hopper only: TMA and warpgroup MMA; its
+        first use JIT-compiles where flashinfer's cache lacks it). fa3 decode re-plans through
+        flashinfer's own plan (the fast plan reproduces fa2's). "fa2" until bench/decode_breakdown.py
+        and bench/prefill.py measure fa3 faster on the GPU.
     """
 
     backend: AttentionBackend = "auto"
     fast_decode_plan: bool = True
     fused_rope_store: bool = True
     decode_graph_split_kv: bool | Literal["auto"] = "auto"
+    prefill_kernel: FlashInferKernel = "fa2"
+    decode_kernel: FlashInferKernel = "fa2"
 
 
 @dataclass(frozen=True)

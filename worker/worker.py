@@ -24,7 +24,7 @@ from graphs.eager import EagerRunner
 from graphs.metrics import GraphMetrics
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder, logits_output
 from graphs.profile import BatchProfile
-from worker.attention.factory import create_attention_backend
+from worker.attention.factory import create_attention_backend, flashinfer_options
 from worker.config import EngineConfig
 from worker.executor import LaunchedStep, PendingLaunch
 from worker.graph_ladders import graph_runners, ladders_of, padding_per_step, padding_share_of
@@ -136,9 +136,7 @@ class Worker:
         max_tokens = max(sched.max_num_batched_tokens, max_rows, self.prefill_ceiling)
         self.attention = create_attention_backend(self.config.attention.backend, shape, self.kv_cache, max_rows,
                                                   max_tokens, -(-max_model_len // cache.page_size),
-                                                  fast_decode_plan=self.config.attention.fast_decode_plan,
-                                                  fused_rope_store=self.config.attention.fused_rope_store,
-                                                  decode_graph_split_kv=self.config.attention.decode_graph_split_kv)
+                                                  **flashinfer_options(self.config.attention))
 
     # ----- graphs -----
 

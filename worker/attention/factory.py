@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from worker.attention.base import AttentionBackend, AttentionShape
 from worker.kv_cache import PagedKVCache
@@ -18,13 +19,26 @@ def flashinfer_importable() -> bool:
     return True
 
 
+#: The settings of an ``attention`` config section that only the flashinfer backend reads.
+FLASHINFER_OPTIONS = ("fast_decode_plan", "fused_rope_store", "decode_graph_split_kv", "prefill_kernel",
+                      "decode_kernel")
+
+
+def flashinfer_options(config: Any) -> dict[str, Any]:
+    """The flashinfer settings of ``config`` (an ``AttentionConfig``) as keyword arguments of
+    :func:`create_attention_backend`."""
+    return {name: getattr(config, name) for name in FLASHINFER_OPTIONS}
+
+
 def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKVCache, max_num_rows: int,
                              max_num_tokens: int, max_pages_per_row: int, *,
                              fast_decode_plan: bool = False, fused_rope_store: bool = False,
-                             decode_graph_split_kv: bool | str = True) -> AttentionBackend:
+                             decode_graph_split_kv: bool | str = True, prefill_kernel: str = "fa2",
+                             decode_kernel: str = "fa2") -> AttentionBackend:
     """``auto`` takes flashinfer when the cache is on CUDA and flashinfer imports, else torch.
-    ``fast_decode_plan``, ``fused_rope_store`` and ``decode_graph_split_kv`` are flashinfer's
-    (:class:`FlashInferBackend`); the torch backend is the reference and keeps its plain RoPE and store."""
+    ``fast_decode_plan``, ``fused_rope_store``, ``decode_graph_split_kv``, ``prefill_kernel`` and
+    ``decode_kernel`` are flashinfer's (:class:`FlashInferBackend`); the torch backend is the
+    reference and keeps its plain RoPE and store."""
     if name == "auto":
         name = "flashinfer" if kv_cache.device.type == "cuda" and flashinfer_importable() else "torch"
         if name == "torch" and kv_cache.device.type == "cuda":
@@ -40,5 +54,6 @@ def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKV
 
         return FlashInferBackend(shape, kv_cache, max_num_rows, max_num_tokens, max_pages_per_row,
                                  fast_decode_plan=fast_decode_plan, fused_rope_store=fused_rope_store,
-                                 decode_graph_split_kv=decode_graph_split_kv)
+                                 decode_graph_split_kv=decode_graph_split_kv, prefill_kernel=prefill_kernel,
+                                 decode_kernel=decode_kernel)
     raise ValueError(f"attention.backend={name!r}; allowed: auto, torch, flashinfer")

@@ -53,7 +53,12 @@ import numpy as np
 import torch
 
 from worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape, Rope
-from worker.attention.flashinfer_metadata import build_metadata, graph_decode_split_rows
+from worker.attention.flashinfer_metadata import (
+    build_metadata,
+    check_kernels,
+    fast_plan_applies,
+    graph_decode_split_rows,
+)
 from worker.kv_cache import PagedKVCache
 
 INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own default for a wrapper's int workspace
@@ -79,20 +84,8 @@ def _fused_rope_store(head_dim: int) -> Callable[..., None] | None:
     return launch if supports(head_dim) else None
 
 
-def _fast_plan_applies(wrapper: Any) -> bool:
-    """Whether ``wrapper`` (just planned the ordinary way) is the case :meth:`FlashInferBackend._fast_plan`
-    reproduces: a CUDA-graph decode wrapper on flashinfer's tensor-core fa2 path with one query
-    token a row, no window and no JIT module of its own."""
-    a = getattr
-    return (wrapper.is_cuda_graph_enabled and a(wrapper, "use_tensor_cores", False)
-            and a(wrapper, "_backend", None) == "fa2" and a(wrapper, "_jit_module", 0) is None
-            and a(wrapper, "_q_len_per_req", None) == 1 and a(wrapper, "_window_left", None) == -1
-            and not a(wrapper, "_uses_cudnn", False) and a(wrapper, "_cached_module", None) is not None
-            and hasattr(wrapper, "_pin_memory_int_workspace_buffer") and a(wrapper, "_plan_info", None) is not None)
-
-
 class FlashInferBackend(AttentionBackend):
-    """flashinfer paged attention: FA2 batch prefill (causal, GQA) and batch decode.
+    """flashinfer paged attention: batch prefill (causal, GQA) and batch decode.
 
     ``max_pages_per_row`` bounds one row's page table (default: every usable page); the
     indices region holds ``max_num_rows * max_pages_per_row`` entries. ``workspace_bytes`` is
@@ -107,7 +100,10 @@ class FlashInferBackend(AttentionBackend):
     CUDA-graph mode, so that the recorded merge kernel is right for any later context); off, each
     row's KV is read by one CTA per head group with no merge kernel: fewer kernels and no partial
     outputs at short contexts, far less parallelism at long ones and small batches. ``"auto"``
-    decides per captured shape (:meth:`graph_splits_kv`).
+    decides per captured shape (:meth:`graph_splits_kv`). ``prefill_kernel`` and ``decode_kernel``:
+    flashinfer's kernel family for each, ``"fa2"``, or ``"fa3"`` on Hopper (``check_kernels``); the
+    KV-split setting and the fast plan are fa2's: fa3's scheduler splits as it sees fit and its
+    wrappers re-plan through flashinfer's own plan.
     """
 
     name = "flashinfer"
@@ -116,12 +112,15 @@ class FlashInferBackend(AttentionBackend):
                  max_pages_per_row: int | None = None, *, workspace_bytes: int = 256 << 20,
                  decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None,
                  fast_decode_plan: bool = False, fused_rope_store: bool = False,
-                 decode_graph_split_kv: bool | str = True) -> None:
+                 decode_graph_split_kv: bool | str = True, prefill_kernel: str = "fa2",
+                 decode_kernel: str = "fa2") -> None:
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         self._fi = _import_flashinfer()
         dev = kv_cache.device
         if dev.type != "cuda":
             raise ValueError("FlashInferBackend needs the KV cache on a CUDA device; use attention.backend=torch")
+        check_kernels(prefill_kernel, decode_kernel, decode_use_tensor_cores, torch.cuda.get_device_capability(dev))
+        self.prefill_kernel, self.decode_kernel = prefill_kernel, decode_kernel
         if shape.num_q_heads % shape.num_kv_heads:
             raise ValueError(f"num_q_heads={shape.num_q_heads} is not a multiple of num_kv_heads={shape.num_kv_heads}")
         if (kv_cache.shape.num_kv_heads, kv_cache.shape.head_dim) != (shape.num_kv_heads, shape.head_dim):
@@ -194,12 +193,13 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_indices_buf=self.paged_kv_indices,
                 paged_kv_last_page_len_buf=self.paged_kv_last_page_len[:rows])
             wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph,
-                                                             backend="fa2", **bufs)
+                                                             backend=self.prefill_kernel, **bufs)
         else:
             bufs = {} if not graph else dict(
                 paged_kv_indptr_buffer=self.paged_kv_indptr[: rows + 1], paged_kv_indices_buffer=self.paged_kv_indices,
                 paged_kv_last_page_len_buffer=self.paged_kv_last_page_len[:rows])
-            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, backend="fa2",
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph,
+                                                            backend=self.decode_kernel,
                                                             use_tensor_cores=self.decode_use_tensor_cores, **bufs)
         # The shared int workspace (module docstring); the wrapper's own 8 MiB goes back to the
         # allocator's cache, where the next wrapper's constructor finds it.
@@ -317,7 +317,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(hv["kv_indptr"][: rows + 1], self.paged_kv_indices[:num_indices], hv["last_page_len"][:rows],
                          s.num_q_heads, s.num_kv_heads, s.head_dim, self.page_size, **common)
             self._num_q = rows
-            if self.fast_decode_plan and _fast_plan_applies(wrapper):
+            if self.fast_decode_plan and fast_plan_applies(wrapper):
                 self._fast_wrappers.add(id(wrapper))
         self._staged.record()
         self._active = wrapper

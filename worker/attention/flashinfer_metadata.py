@@ -1,9 +1,12 @@
-"""flashinfer's host-side CSR metadata of one step: what :class:`worker.attention.flashinfer_backend.
-FlashInferBackend` writes into its pinned host twin before each ``plan``."""
+"""flashinfer's host side for :class:`worker.attention.flashinfer_backend.FlashInferBackend`: the CSR
+metadata of one step (what it writes into its pinned host twin before each ``plan``), and the
+choices it makes from its settings before any kernel runs: the kernel family, the KV split of
+captured decode shapes, which plans the fast decode plan reproduces."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -53,3 +56,34 @@ def graph_decode_splits_kv(setting: bool | str, rows: int, num_kv_heads: int, nu
     """Whether a captured decode shape of ``rows`` rows splits each row's KV (see
     :func:`graph_decode_split_rows`)."""
     return rows < graph_decode_split_rows(setting, num_kv_heads, num_sms)
+
+
+KERNELS = ("fa2", "fa3")
+
+
+def check_kernels(prefill_kernel: str, decode_kernel: str, decode_use_tensor_cores: bool,
+                  capability: tuple[int, int]) -> None:
+    """Raise ``ValueError`` naming the setting unless these kernel families can run here: each is
+    one of :data:`KERNELS`; fa3 needs a Hopper GPU (compute capability 9.x, ``capability``) and,
+    for decode, the tensor-core path (fa3 has no CUDA-core decode kernel)."""
+    for name, kernel in (("prefill_kernel", prefill_kernel), ("decode_kernel", decode_kernel)):
+        if kernel not in KERNELS:
+            raise ValueError(f"attention.{name}={kernel!r}; allowed: {', '.join(KERNELS)}")
+        if kernel == "fa3" and capability[0] != 9:
+            raise ValueError(f"attention.{name}=fa3 needs a Hopper GPU (sm_90); this one is "
+                             f"sm_{capability[0]}{capability[1]}: use fa2")
+    if decode_kernel == "fa3" and not decode_use_tensor_cores:
+        raise ValueError("attention.decode_kernel=fa3 runs only as tensor-core decode; "
+                         "it cannot go with decode_use_tensor_cores=False")
+
+
+def fast_plan_applies(wrapper: Any) -> bool:
+    """Whether ``wrapper`` (just planned the ordinary way) is the case :meth:`FlashInferBackend._fast_plan`
+    reproduces: a CUDA-graph decode wrapper on flashinfer's tensor-core fa2 path with one query
+    token a row, no window and no JIT module of its own."""
+    a = getattr
+    return (wrapper.is_cuda_graph_enabled and a(wrapper, "use_tensor_cores", False)
+            and a(wrapper, "_backend", None) == "fa2" and a(wrapper, "_jit_module", 0) is None
+            and a(wrapper, "_q_len_per_req", None) == 1 and a(wrapper, "_window_left", None) == -1
+            and not a(wrapper, "_uses_cudnn", False) and a(wrapper, "_cached_module", None) is not None
+            and hasattr(wrapper, "_pin_memory_int_workspace_buffer") and a(wrapper, "_plan_info", None) is not None)
