@@ -15,9 +15,9 @@ Each is timed inside a CUDA graph of ``--calls`` back-to-back calls, as a decode
 of ``--repeats`` replays. The calls cycle through copies of the weight, ``--weight-mib`` of them in
 all, as a model's layers do: one weight called over and over stays in the L2 cache (50 MiB on an
 H100), which every tinyllama projection fits, and reads faster than HBM can give a decode step
-(``--weight-mib 0``: one weight, the L2-resident time). ``GB/s`` is the weight's bytes over the time, beside the
-device-to-device copy bandwidth measured in the same
-run; ``fused_over_unfused`` below 1: the fused kernel is faster.
+(``--weight-mib 0``: one weight, the L2-resident time). ``GB/s`` is the weight's bytes over the
+time, beside the device-to-device copy bandwidth measured in the same run; ``fused_over_unfused``
+below 1: the fused kernel is faster.
 
 GPU only: ``PYTHONPATH=/tmp/site:. python3 bench/norm_linear.py`` (``--quick``: no sweep). Prints
 a table and writes ``bench/results/norm_linear-*.json``.
