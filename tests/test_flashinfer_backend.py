@@ -117,6 +117,26 @@ def capture(backend: FlashInferBackend, q, k, v) -> tuple[torch.cuda.CUDAGraph, 
     return graph, out
 
 
+def capture_decode(backend: FlashInferBackend, rows: int) -> tuple:
+    """A decode graph of ``rows`` rows captured after a first plan: ``(q, k, v, graph, out)``."""
+    backend.graph_wrapper(False, rows)
+    q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
+    backend.plan(decode_batch(Pages(4), [3, 9], rows))
+    return (q, k, v, *capture(backend, q, k, v))
+
+
+def replay_checked(backend: FlashInferBackend, captured: tuple, seed: int, seq_lens: list[int]) -> AttentionBatch:
+    """Re-plan ``captured`` (:func:`capture_decode`) for a new batch, replay it and check it."""
+    q, k, v, graph, out = captured
+    batch = decode_batch(Pages(seed), seq_lens, q.shape[0])
+    backend.plan(batch)
+    for dst, src in zip((q, k, v), qkv(q.shape[0], seed), strict=True):
+        dst.copy_(src)
+    graph.replay()
+    check(backend, batch, q, k, v, out)
+    return batch
+
+
 # ---------------------------------------------------------------- CPU tests
 
 
@@ -214,20 +234,12 @@ def test_decode_cuda_graph_replays_after_replanning(flashinfer, split_kv):
     cache = make_cache()
     backend = FlashInferBackend(SHAPE, cache, 8, 256, decode_graph_split_kv=split_kv)
     eager = FlashInferBackend(SHAPE, cache, 8, 256)  # same cache, no graph wrappers
-    rows = 8
-    backend.graph_wrapper(False, rows)
-    q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
-    backend.plan(decode_batch(Pages(4), [3, 9], rows))
-    graph, out = capture(backend, q, k, v)
+    captured = capture_decode(backend, 8)
+    q, k, v, _, out = captured
 
     # two different batches through the same graph: lengths, pages and padding all change
     for seed, seq_lens in ((5, [1, 17, 33, 64, 80]), (6, [40, 2, 16, 15, 31, 32, 48, 7])):
-        batch = decode_batch(Pages(seed), seq_lens, rows)
-        backend.plan(batch)
-        for dst, src in zip((q, k, v), qkv(rows, seed), strict=True):
-            dst.copy_(src)
-        graph.replay()
-        check(backend, batch, q, k, v, out)
+        batch = replay_checked(backend, captured, seed, seq_lens)
         eager.plan(batch)
         expected = eager.run(LAYER, q, k, v)  # rewrites the same K/V at the same locations
         n = real_rows(batch)
@@ -351,19 +363,10 @@ def test_fa3_kernels_match_the_reference_eager_and_in_graphs(flashinfer):
     q, k, v = qkv(8, seed=3)
     check(backend, batch, q, k, v, backend.run(LAYER, q, k, v))
 
-    rows = 8
-    backend.graph_wrapper(False, rows)
-    q, k, v = (torch.zeros(rows, h, D, dtype=DTYPE, device="cuda") for h in (HQ, HKV, HKV))
-    backend.plan(decode_batch(Pages(4), [3, 9], rows))
-    graph, out = capture(backend, q, k, v)
+    captured = capture_decode(backend, 8)
     assert not backend._fast_wrappers, "the fast plan reproduces fa2's plan only"
     for seed, seq_lens in ((5, [1, 17, 33, 64, 80]), (6, [40, 2, 16, 15, 31, 32, 48, 7])):
-        batch = decode_batch(Pages(seed), seq_lens, rows)
-        backend.plan(batch)
-        for dst, src in zip((q, k, v), qkv(rows, seed), strict=True):
-            dst.copy_(src)
-        graph.replay()
-        check(backend, batch, q, k, v, out)
+        replay_checked(backend, captured, seed, seq_lens)
 
 
 @pytest.mark.gpu
