@@ -33,6 +33,8 @@ same run (``two_kernel_over_fused`` above 1: the fused kernel is faster); ``full
 full graph with ``attention.decode_graph_split_kv`` off (no KV split, no merge kernel) and
 ``full_split`` with it on; ``full`` itself runs the engine's default, ``"auto"``, whose choice per
 batch is the ``graph_split_kv`` column.
+``--fa3`` adds ``full_fa3``: the full graph with flashinfer's fa3 decode kernels
+(``attention.decode_kernel=fa3``, Hopper; ``fa3_over_full`` below 1: fa3 is faster).
 ``--tc-full`` adds ``tc_full`` (``graphs.decode.backend=tc_full``: the forward under torch.compile,
 attention an opaque op, one full graph a shape; ``tc_full_over_full`` below 1: it is faster), with
 its compile and capture seconds apart in ``graph_memory`` (a failed compile is its
@@ -97,7 +99,7 @@ def timed(fn, repeats: int, warmup: int = 3) -> float:
 
 class Setup:
     def __init__(self, path: Path, max_bs: int, context: int, attention: str = "flashinfer",
-                 page_size: int = 16) -> None:
+                 page_size: int = 16, fa3: bool = False) -> None:
         self.model, self.arch = load_model(path, torch.bfloat16, CUDA,
                                            kernels=select_kernels(CUDA, prefer_fused=attention == "flashinfer"))
         ps = page_size
@@ -114,12 +116,14 @@ class Setup:
                                             self.pages_per_row, fast_decode_plan=True, **kw)
 
         self.attention = backend(fused_rope_store=True, decode_graph_split_kv="auto")
-        self.two_kernel = self.split = self.no_split = None
+        self.two_kernel = self.split = self.no_split = self.fa3 = None
         if getattr(self.attention, "fused_rope_store", False):
             self.two_kernel = backend(decode_graph_split_kv="auto")
         if attention == "flashinfer":  # decode graphs with and without flashinfer's KV split and merge kernel
             self.split = backend(fused_rope_store=True, decode_graph_split_kv=True)
             self.no_split = backend(fused_rope_store=True, decode_graph_split_kv=False)
+            if fa3:
+                self.fa3 = backend(fused_rope_store=True, decode_graph_split_kv="auto", decode_kernel="fa3")
         self.context = context
 
     def batch(self, b: int) -> LiveDecodeBatch:
@@ -160,6 +164,8 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
         variants.append(("full_two_kernel", setup.two_kernel))
     if setup.split is not None:
         variants += [("full_split", setup.split), ("full_no_split", setup.no_split)]
+    if setup.fa3 is not None:
+        variants.append(("full_fa3", setup.fa3))
     if tc_full:
         variants.append(("tc_full", setup.attention))
     if fused_batches:
@@ -266,6 +272,8 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
         if ("full_two_kernel", b) in rows:  # RoPE and the KV append as two kernels, side by side
             r["full_two_kernel_ms"] = rows[("full_two_kernel", b)] * 1e3
             r["two_kernel_over_fused"] = rows[("full_two_kernel", b)] / full
+        if ("full_fa3", b) in rows:  # flashinfer's fa3 decode kernels
+            r["full_fa3_ms"], r["fa3_over_full"] = rows[("full_fa3", b)] * 1e3, rows[("full_fa3", b)] / full
         for forced in ("split", "no_split"):  # decode graphs with the KV split forced on and off
             if (f"full_{forced}", b) in rows:
                 r[f"full_{forced}_ms"] = rows[(f"full_{forced}", b)] * 1e3
@@ -315,6 +323,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tc-full", action="store_true",
                     help="also time graphs.decode.backend=tc_full (torch.compile'd forward, one full graph a "
                          "shape; its compile and capture seconds go to graph_memory)")
+    ap.add_argument("--fa3", action="store_true", help="also the full graph with fa3 decode kernels (Hopper)")
     ap.add_argument("--no-norm-linear", action="store_true",
                     help="leave out full_norm_linear and eager_norm_linear (model.norm_linear_rows=16)")
     ap.add_argument("--compile-one", help=argparse.SUPPRESS)
@@ -329,7 +338,7 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
     """Ours in this process, then (its GPU memory released) the peers in their children."""
     batches = ints(args.batches)
     path = ensure_checkpoint(preset, Path(args.checkpoints))
-    setup = Setup(path, max(batches), args.context, args.attention, args.page_size)
+    setup = Setup(path, max(batches), args.context, args.attention, args.page_size, args.fa3)
     floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
     rows, memory = ours(setup, batches, args.repeats, args.tc_full, not args.no_norm_linear)
     split_of = getattr(setup.attention, "graph_splits_kv", None)
@@ -347,7 +356,7 @@ def report(results: dict, peers: list[str]) -> None:
     chosen = [p for p in PEERS if p in peers]
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
-                 "two_kernel_over_fused", "split_over_full", "no_split_over_full", "tc_full_ms",
+                 "two_kernel_over_fused", "split_over_full", "no_split_over_full", "fa3_over_full", "tc_full_ms",
                  "tc_full_over_full", "full_norm_linear_ms", "norm_linear_over_full",
                  "norm_linear_no_rope_over_full", "eager_ms",
                  "eager_norm_linear_over_eager", "breakable_ms",
