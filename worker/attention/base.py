@@ -209,19 +209,14 @@ class AttentionBackend(ABC):
         ``q`` is (tokens, q_heads, head_dim); returns (tokens, q_heads, head_dim).
         """
         self.store(layer, k, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        self.attend(layer, q, out)
-        return out
+        return self.attend_stored(layer, q)
 
     def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
         """:meth:`run` of ``q`` and ``k`` rotated by ``rope``: ``q`` (tokens, Hq*D), ``k`` and ``v``
         (tokens, Hk*D), strided row views allowed; returns (tokens, Hq, D). ``q`` and ``k`` may be
         rotated in place (callers never reuse their old values)."""
-        q = self.store_rotated(layer, rope, q, k, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        self.attend(layer, q, out)
-        return out
+        return self.attend_stored(layer, self.store_rotated(layer, rope, q, k, v))
 
     def store_rotated(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:

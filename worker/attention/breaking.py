@@ -29,20 +29,16 @@ class BreakingAttention:
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.backend.store(layer, k, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        _attention_break(self.backend, layer, q, out)
-        return out
+        return self.attend_stored(layer, q)
 
     def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q = self.backend.store_rotated(layer, rope, q, k, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        _attention_break(self.backend, layer, q, out)
-        return out
+        return self.attend_stored(layer, self.backend.store_rotated(layer, rope, q, k, v))
 
     def kv_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.backend.kv_write_target(layer)
 
     def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over the stored cache, as the eager break."""
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _attention_break(self.backend, layer, q, out)
         return out
