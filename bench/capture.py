@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -111,14 +112,17 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
         decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
-        lm_head: str = "graph") -> dict:
+        lm_head: str = "graph", pool_segments: str = "fixed") -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
     with ``decode``, capture decode graphs and run one decode step at ``decode_batch``), then
     ``served`` prefills of :func:`served_history`. ``lm_head``: ``graph`` (the prefill graphs end in
     the LM head's logits, as the worker builds them), or the stream of an eager LM head after a
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
-    instead of two saves)."""
+    instead of two saves). ``pool_segments``: ``expandable`` turns the caching allocator's expandable
+    segments on while graphs are built and captured and off again before the prefill, so the graph
+    pool grows by mapping pages into one segment instead of adding rounded segments, and nothing
+    else in the process changes (``PYTORCH_CUDA_ALLOC_CONF`` sets it for the whole process)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -148,6 +152,9 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
+    expandable = pool_segments == "expandable" and (ceiling is not None or decode == "graphs")
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
                                           create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
@@ -170,6 +177,8 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             compile_s, capture_s = 0.0, build
     if decode_runner is not None:  # after the prefill graphs, into the same pool (Worker.capture's order)
         decode_runner.capture_all(progress=False)
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     torch.cuda.reset_peak_memory_stats()
     from graphs.prefill import LivePrefillBatch
 
@@ -247,7 +256,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode, "lm_head": lm_head,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
-            "allocator": allocator,
+            "allocator": allocator, "pool_segments": pool_segments if expandable else "fixed",
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -291,13 +300,18 @@ def main() -> None:
                          "slack and growths per pool, a planned layout's bytes (bench/alloc_trace.py)")
     ap.add_argument("--served", type=int, default=0,
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
+    ap.add_argument("--pool-segments", default="fixed",
+                    help="comma-separated, each graph row once per value: fixed (the allocator's default) or "
+                         "expandable (its expandable segments while graphs are built and captured; eager rows "
+                         "and everything after capture unchanged), e.g. fixed,expandable")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
     if args.one:
         backend, ceiling, warm_up, decode, lm_head = parse_config(args.one)
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
-                             warm_up == "pool", decode, args.decode_batch, args.explain, args.served, lm_head)))
+                             warm_up == "pool", decode, args.decode_batch, args.explain, args.served, lm_head,
+                             args.pool_segments)))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
@@ -313,17 +327,22 @@ def main() -> None:
             runs = [parse_config(c) for c in args.only.split(",")]
         except ValueError as e:
             ap.error(str(e))
+    segment_modes = args.pool_segments.split(",")
+    if any(m not in ("fixed", "expandable") for m in segment_modes):
+        ap.error(f"--pool-segments: each value must be fixed or expandable, got {args.pool_segments!r}")
     rows = []
-    for backend, ceiling, warm_up, decode, lm_head in runs:
+    for backend, ceiling, warm_up, decode, lm_head, segments in [
+            (*r, m) for r in runs for m in (segment_modes if r[1] != "none" or r[3] == "graphs" else ["fixed"])]:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
-               f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served)] + \
+               f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served),
+               "--pool-segments", segments] + \
             (["--explain"] if args.explain else [])
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
         rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling, "warm_up": warm_up,
                                                            "decode": decode, "lm_head": lm_head,
-                                                           "error": res.stderr[-2000:]})
+                                                           "pool_segments": segments, "error": res.stderr[-2000:]})
     def base_of(decode: str) -> int | None:
         return next((r.get("above_baseline_bytes") for r in rows
                      if r.get("backend") == "none" and r.get("decode") == decode and r["lm_head"] == "compute"), None)
@@ -357,10 +376,9 @@ def main() -> None:
           "at all with an eager decode step")
     print("live_peak: the most the allocator had handed out at once over the same window (reserved above it is "
           "the caching allocator's slack: what a tighter layout could give back)")
-    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "mode", "shapes", "failed", "build_s",
-                       "compile_s", "capture_s", "peak_GiB", "live_peak_GiB", "held_GiB", "pool_GiB", "outside_GiB",
-                       "vs_no_graph",
-                       "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
+    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "pool_segments", "mode", "shapes",
+                       "failed", "build_s", "compile_s", "capture_s", "peak_GiB", "live_peak_GiB", "held_GiB",
+                       "pool_GiB", "outside_GiB", "vs_no_graph", "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
     if args.served:
         print(f"after {args.served} more prefills of a serving history: served_vs_no_graph is the served peak "
               "over the no-prefill-graph row's of the same decode mode")
@@ -376,7 +394,9 @@ def main() -> None:
             for site in r.get(key) or []:
                 print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {where} "
                       f"{site['MiB']:8.1f} MiB  {site['site']}")
-    print(f"wrote {write_results('capture', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
+    results = {"env": environment(), "rows": rows, "args": vars(args),
+               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    print(f"wrote {write_results('capture', results)}")
 
 
 if __name__ == "__main__":
