@@ -119,10 +119,9 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     the LM head's logits, as the worker builds them), or the stream of an eager LM head after a
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
-    instead of two saves). ``pool_segments``: ``expandable`` turns the caching allocator's expandable
-    segments on while graphs are built and captured and off again before the prefill, so the graph
-    pool grows by mapping pages into one segment instead of adding rounded segments, and nothing
-    else in the process changes (``PYTORCH_CUDA_ALLOC_CONF`` sets it for the whole process)."""
+    instead of two saves). ``pool_segments``: ``graphs.pool_segments`` of the graph backends
+    (``expandable``: the pool grows in expandable segments, switched on only while a shape captures;
+    ``PYTORCH_CUDA_ALLOC_CONF`` sets them for the whole process, eager rows included)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -153,16 +152,16 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     build = compile_s = capture_s = None
     runner = decode_runner = None
     expandable = pool_segments == "expandable" and (ceiling is not None or decode == "graphs")
-    if expandable:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
-                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
+                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
+                                                         expandable_pool=expandable),
                                           default_decode_ladder(decode_batch), True)
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
             ModelPrefillStep(model, attention, breakable=backend == "breakable")
-        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
+        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
+                                                         expandable_pool=expandable),
                                     default_prefill_ladder(ceiling),
                                     max(1, chunk // 512), 2.0, None, torch.bfloat16, logits=lm_head == "graph",
                                     logits_out=decode_runner.buffers.logits
@@ -177,8 +176,6 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             compile_s, capture_s = 0.0, build
     if decode_runner is not None:  # after the prefill graphs, into the same pool (Worker.capture's order)
         decode_runner.capture_all(progress=False)
-    if expandable:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     torch.cuda.reset_peak_memory_stats()
     from graphs.prefill import LivePrefillBatch
 

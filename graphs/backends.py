@@ -11,6 +11,10 @@ blocks it cached are given back before the capture grows the pool. Every later w
 inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never
 hold an activation peak beside the graphs; one that leaves anything allocated there raises
 :class:`WarmUpLeakError`, since a later replay would overwrite it.
+
+Pool segments: with ``expandable_pool`` (``graphs.pool_segments: expandable``) each capture, its
+warm-ups included, runs with the allocator's expandable segments on, so the pool grows page by
+page in one segment instead of by rounded segments (:func:`graphs.process.expandable_pool_segments`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ import torch
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.capture_failures import offending_call, root_cause, sync_is_error
 from graphs.piecewise import CompileClock, compile_clock
-from graphs.process import allocations_in_pool, capture_stream, graph_pool, pool_usage, release_warm_up_memory
+from graphs.process import (
+    allocations_in_pool,
+    capture_stream,
+    expandable_pool_segments,
+    graph_pool,
+    pool_usage,
+    release_warm_up_memory,
+)
 
 
 @dataclass
@@ -56,12 +67,13 @@ class GraphBackend(ABC):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True) -> None:
+                 warm_up_in_pool: bool = True, expandable_pool: bool = False) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
         self._pool = pool
         self.warm_up_in_pool = warm_up_in_pool
+        self.expandable_pool = expandable_pool
         self.shapes: dict[Hashable, CapturedShape] = {}
 
     @property
@@ -81,8 +93,9 @@ class GraphBackend(ABC):
         """
         start = time.perf_counter()
         try:
-            before = self._warm_up_measured(key, fn, phase)
-            artifact, segments, breaks = self._capture(fn)
+            with expandable_pool_segments(self.device, self.expandable_pool):
+                before = self._warm_up_measured(key, fn, phase)
+                artifact, segments, breaks = self._capture(fn)
         except WarmUpLeakError:
             raise
         except CaptureError as e:
@@ -255,8 +268,8 @@ class _CompileTimed(GraphBackend):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True) -> None:
-        super().__init__(device, warmup, barrier, pool, warm_up_in_pool)
+                 warm_up_in_pool: bool = True, expandable_pool: bool = False) -> None:
+        super().__init__(device, warmup, barrier, pool, warm_up_in_pool, expandable_pool)
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         self.compiles = 0
@@ -383,18 +396,18 @@ def compile_fallback(device: torch.device) -> str:
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                   warm_up_in_pool: bool = True) -> GraphBackend:
+                   warm_up_in_pool: bool = True, expandable_pool: bool = False) -> GraphBackend:
     """``full``, ``breakable``, ``tc_piecewise``, ``tc_full`` or ``debug`` (``eager`` is the eager
     runner: no backend).
 
     Off CUDA only ``debug``, ``tc_piecewise`` and ``tc_full`` (compiled, no graphs) exist.
-    ``warm_up_in_pool``: see the module docstring.
+    ``warm_up_in_pool`` and ``expandable_pool``: see the module docstring.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if device.type == "cuda":
-        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool)
+        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool, expandable_pool)
     if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise', "
                          "'tc_full' or 'eager'")
-    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool)
+    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool, expandable_pool)

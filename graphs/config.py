@@ -10,6 +10,7 @@ from configkit import ConfigError, Section, check, check_ladder, check_min, pars
 DecodeBackend = Literal["full", "breakable", "tc_full", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
 CaptureMode = Literal["both", "decode", "prefill", "none"]
+PoolSegments = Literal["fixed", "expandable"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class GraphsConfig(Section):
     replan_interval_s: float | None = None
     replan_padding_share: float = 0.1
     warm_up_in_pool: bool = True
+    pool_segments: PoolSegments = "fixed"
 
     def __post_init__(self) -> None:
         budget = self.memory_budget

@@ -12,6 +12,7 @@ Both are created lazily on first use, per device, and live as long as the proces
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -87,6 +88,35 @@ def allocations_in_pool(pool: tuple, device: torch.device | int | None = None):
     finally:
         torch._C._cuda_endAllocateToPool(idx, pool)
         torch._C._cuda_releasePool(idx, pool)
+
+
+def _process_expandable() -> bool:
+    """Whether the process started with expandable segments on (``PYTORCH_CUDA_ALLOC_CONF``, or its
+    device-generic name ``PYTORCH_ALLOC_CONF``): then every segment is expandable already."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+@contextlib.contextmanager
+def expandable_pool_segments(device: torch.device, enabled: bool = True):
+    """Turn the caching allocator's expandable segments on for the body (a capture pass): the
+    segments the graph pool gains meanwhile are expandable, one per stream that maps 2 MiB pages as
+    the pool grows, instead of a new segment per growth with its size rounded up (the default's slack,
+    which the pool keeps for the process's life). Off CUDA, when not ``enabled``, or when the
+    process runs with expandable segments already, it changes nothing.
+
+    Hazard: the setting is process-wide, not per pool or thread. A segment any thread creates while
+    the body runs is expandable too; graphfleet allocates nothing on other threads during a capture
+    pass (a live re-plan captures between steps, on the loop thread).
+    """
+    if not enabled or device.type != "cuda" or _process_expandable():
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
 
 
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
