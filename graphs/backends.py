@@ -10,11 +10,8 @@ on its first runs, such as the capture stream's cuBLAS workspace, stays outside)
 blocks it cached are given back before the capture grows the pool. Every later warm-up runs
 inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never
 hold an activation peak beside the graphs; one that leaves anything allocated there raises
-:class:`WarmUpLeakError`, since a later replay would overwrite it.
-
-Pool segments: with ``expandable_pool`` (``graphs.pool_segments: expandable``) each capture, its
-warm-ups included, runs with the allocator's expandable segments on, so the pool grows page by
-page in one segment instead of by rounded segments (:func:`graphs.process.expandable_pool_segments`).
+:class:`WarmUpLeakError`, since a later replay would overwrite it. ``expandable_pool``: each
+capture, warm-ups included, grows the pool in expandable segments (graphs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -27,17 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphs import process
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.capture_failures import offending_call, root_cause, sync_is_error
 from graphs.piecewise import CompileClock, compile_clock
-from graphs.process import (
-    allocations_in_pool,
-    capture_stream,
-    expandable_pool_segments,
-    graph_pool,
-    pool_usage,
-    release_warm_up_memory,
-)
+from graphs.process import allocations_in_pool, capture_stream, graph_pool, pool_usage, release_warm_up_memory
 
 
 @dataclass
@@ -93,7 +84,7 @@ class GraphBackend(ABC):
         """
         start = time.perf_counter()
         try:
-            with expandable_pool_segments(self.device, self.expandable_pool):
+            with process.expandable_pool_segments(self.device, self.expandable_pool):
                 before = self._warm_up_measured(key, fn, phase)
                 artifact, segments, breaks = self._capture(fn)
         except WarmUpLeakError:
@@ -377,13 +368,9 @@ class DebugBackend(GraphBackend):
         artifact()
 
 
-BACKENDS: dict[str, type[GraphBackend]] = {
-    "full": FullGraphBackend,
-    "breakable": BreakableGraphBackend,
-    "tc_piecewise": TcPiecewiseBackend,
-    "tc_full": TcFullBackend,
-    "debug": DebugBackend,
-}
+BACKENDS: dict[str, type[GraphBackend]] = {"full": FullGraphBackend, "breakable": BreakableGraphBackend,
+                                           "tc_piecewise": TcPiecewiseBackend, "tc_full": TcFullBackend,
+                                           "debug": DebugBackend}
 OFF_CUDA: dict[str, type[GraphBackend]] = {"tc_piecewise": TcPiecewiseNoGraphBackend,
                                            "tc_full": TcFullNoGraphBackend, "debug": DebugBackend}
 

@@ -81,6 +81,36 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
     assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
 
 
+@pytest.mark.parametrize("backend", ["breakable", "full"])
+def test_an_expandable_pool_holds_no_more_than_fixed_segments_and_the_switch_is_off_after(backend, checkpoint_dir):
+    """graphs.pool_segments side by side on one model: the pool built in expandable segments holds
+    at most what the default segments hold, replays still equal eager, and after the capture pass
+    new segments are ordinary again (the switch covers captures only)."""
+    own, step = _prefill_step(checkpoint_dir, backend)
+    held = {}
+    for expandable in (False, True):
+        pool = torch.cuda.graph_pool_handle()
+        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, expandable_pool=expandable),
+                                    default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
+        _settle()
+        runner.capture_all(progress=False)
+        assert not runner.failed, runner.failed
+        held[expandable] = pool_bytes(pool)
+        assert runner.resident_bytes == held[expandable]
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
+        assert all(s.get("is_expandable", False) == expandable for s in segments), segments
+        if expandable:
+            _check_replays_equal_eager(own, runner, 2)
+        runner.release()
+        del runner
+    after = torch.empty(64 << 20, dtype=torch.uint8, device=CUDA)  # a new segment after the pass
+    made = [s for s in torch.cuda.memory_snapshot()
+            if s["address"] <= after.data_ptr() < s["address"] + s["total_size"]]
+    assert made and not made[0].get("is_expandable", False), made
+    print(f"{backend}: pool with fixed segments {held[False] / 2**20:.1f} MiB, expandable {held[True] / 2**20:.1f} MiB")
+    assert held[True] <= held[False]
+
+
 def test_a_warm_up_that_leaves_memory_in_the_pool_raises():
     """A forward that creates a buffer on a later shape's first run would have it sit on another
     graph's scratch: the capture refuses with WarmUpLeakError; outside the pool it captures."""
