@@ -40,3 +40,25 @@ def test_the_switch_changes_nothing_off_cuda_and_a_debug_capture_goes_through_it
     backend.capture(1, lambda: out.add_(1), phase="decode")
     backend.replay(1)
     assert backend.expandable_pool and out.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("segments", ["fixed", "expandable"])
+def test_the_setting_reaches_every_backend_the_worker_builds_and_a_replan_keeps_it(checkpoint_dir, segments):
+    """graphs.pool_segments from the config to the decode and prefill backends of the worker (the
+    debug backend on the CPU: the same construction path), and again after a live re-plan."""
+    from deploy.config import load_config
+    from worker.engine import Engine
+
+    engine = Engine(load_config(None, [f"model.path={checkpoint_dir('tiny-llama')}", "model.device=cpu",
+                                       "graphs.debug=true", "cache.num_pages=128", "graphs.decode.max_batch_size=4",
+                                       "scheduler.chunked_prefill_size=64", "scheduler.max_num_batched_tokens=64",
+                                       f"graphs.pool_segments={segments}"]))
+    try:
+        worker = engine.worker
+        runners = (worker.runner.decode_runner, worker.runner.prefill_runner)
+        assert [r.backend.expandable_pool for r in runners] == [segments == "expandable"] * 2
+        worker.replan()
+        runners = (worker.runner.decode_runner, worker.runner.prefill_runner)
+        assert [r.backend.expandable_pool for r in runners] == [segments == "expandable"] * 2
+    finally:
+        engine.shutdown()
