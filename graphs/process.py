@@ -106,8 +106,9 @@ def expandable_pool_segments(device: torch.device, enabled: bool = True):
     process runs with expandable segments already, it changes nothing.
 
     Hazard: the setting is process-wide, not per pool or thread. A segment any thread creates while
-    the body runs is expandable too; graphfleet allocates nothing on other threads during a capture
-    pass (a live re-plan captures between steps, on the loop thread).
+    the body runs is expandable too, and memory in one cannot be shared over legacy CUDA IPC handles;
+    graphfleet's IPC-shared tensors (staged KV copies) are made on the capturing thread, in step
+    order, never during a capture (graphs/DESIGN.md).
     """
     if not enabled or device.type != "cuda" or _process_expandable():
         yield
