@@ -299,7 +299,7 @@ def main() -> None:
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
     ap.add_argument("--pool-segments", default="fixed",
                     help="comma-separated, each graph row once per value: fixed (the allocator's default) or "
-                         "expandable (its expandable segments while graphs are built and captured; eager rows "
+                         "expandable (graphs.pool_segments: expandable segments while each shape captures; eager rows "
                          "and everything after capture unchanged), e.g. fixed,expandable")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
