@@ -110,6 +110,12 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
     return steps
 
 
+def builds_graphs(ceiling: int | str | None, decode: str) -> bool:
+    """Whether a configuration captures graphs (prefill up to a ceiling, or decode graphs): the rows
+    that ``--pool-segments`` applies to."""
+    return ceiling not in (None, "none") or decode == "graphs"
+
+
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
         decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
         lm_head: str = "graph", pool_segments: str = "fixed") -> dict:
@@ -151,7 +157,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
-    expandable = pool_segments == "expandable" and (ceiling is not None or decode == "graphs")
+    expandable = pool_segments == "expandable" and builds_graphs(ceiling, decode)
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
                                           create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
@@ -329,7 +335,7 @@ def main() -> None:
         ap.error(f"--pool-segments: each value must be fixed or expandable, got {args.pool_segments!r}")
     rows = []
     for backend, ceiling, warm_up, decode, lm_head, segments in [
-            (*r, m) for r in runs for m in (segment_modes if r[1] != "none" or r[3] == "graphs" else ["fixed"])]:
+            (*r, m) for r in runs for m in (segment_modes if builds_graphs(r[1], r[3]) else ["fixed"])]:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
                f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served),
