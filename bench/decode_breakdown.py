@@ -67,9 +67,11 @@ def pipelined(fn, steps: int = 50) -> float:
 
 
 def attention_kernel_ms(per_name: dict[str, list[float]]) -> float:
-    """Summed ms of flashinfer's attention kernels (prefill / decode kernels and the split-KV merge)."""
+    """Summed ms of flashinfer's attention kernels (prefill / decode kernels and the split-KV merge; on
+    Hopper, fa3's paged kernel is ``PrefillWithKVCacheKernel<SparseCollective...>``)."""
     return sum(sum(v) for n, v in per_name.items()
-               if any(key in n for key in ("PrefillWithPagedKVCache", "DecodeWithPagedKVCache", "MergeStates",
+               if any(key in n for key in ("PrefillWithPagedKVCache", "PrefillWithKVCacheKernel",
+                                           "DecodeWithPagedKVCache", "MergeStates",
                                            "merge_states", "VariableLengthMergeStates")))
 
 
