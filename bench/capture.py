@@ -112,22 +112,22 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
 
 def builds_graphs(ceiling: int | str | None, decode: str) -> bool:
     """Whether a configuration captures graphs (prefill up to a ceiling, or decode graphs): the rows
-    that ``--pool-segments`` applies to."""
+    that ``--pool-layout`` applies to."""
     return ceiling not in (None, "none") or decode == "graphs"
 
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
         decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
-        lm_head: str = "graph", pool_segments: str = "fixed") -> dict:
+        lm_head: str = "graph", pool_layout: str = "grown") -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
     with ``decode``, capture decode graphs and run one decode step at ``decode_batch``), then
     ``served`` prefills of :func:`served_history`. ``lm_head``: ``graph`` (the prefill graphs end in
     the LM head's logits, as the worker builds them), or the stream of an eager LM head after a
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
-    instead of two saves). ``pool_segments``: ``graphs.pool_segments`` of the graph backends
-    (``expandable``: the pool grows in expandable segments, switched on only while a shape captures;
-    ``PYTORCH_CUDA_ALLOC_CONF`` sets them for the whole process, eager rows included)."""
+    instead of two saves). ``pool_layout``: ``graphs.pool_layout`` of the graph backends (``presized``:
+    the first capture gives the pool one block of its warm-up's transient peak; the peak statistics
+    this reads are reset after capture, so the measurement resetting them changes nothing here)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -157,17 +157,17 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
-    expandable = pool_segments == "expandable" and builds_graphs(ceiling, decode)
+    presize = pool_layout == "presized" and builds_graphs(ceiling, decode)
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
                                           create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         expandable_pool=expandable),
+                                                         presize_pool=presize),
                                           default_decode_ladder(decode_batch), True)
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
             ModelPrefillStep(model, attention, breakable=backend == "breakable")
         runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         expandable_pool=expandable),
+                                                         presize_pool=presize),
                                     default_prefill_ladder(ceiling),
                                     max(1, chunk // 512), 2.0, None, torch.bfloat16, logits=lm_head == "graph",
                                     logits_out=decode_runner.buffers.logits
@@ -259,7 +259,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode, "lm_head": lm_head,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
-            "allocator": allocator, "pool_segments": pool_segments if expandable else "fixed",
+            "allocator": allocator, "pool_layout": pool_layout if presize else "grown",
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -303,10 +303,10 @@ def main() -> None:
                          "slack and growths per pool, a planned layout's bytes (bench/alloc_trace.py)")
     ap.add_argument("--served", type=int, default=0,
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
-    ap.add_argument("--pool-segments", default="fixed",
-                    help="comma-separated, each graph row once per value: fixed (the allocator's default) or "
-                         "expandable (graphs.pool_segments: expandable segments while each shape captures; eager rows "
-                         "and everything after capture unchanged), e.g. fixed,expandable")
+    ap.add_argument("--pool-layout", default="grown",
+                    help="comma-separated, each graph row once per value of graphs.pool_layout: grown (the "
+                         "allocator's segments) or presized (the first capture gives the pool one block of its "
+                         "warm-up's transient peak); eager rows unchanged; e.g. grown,presized")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
@@ -314,7 +314,7 @@ def main() -> None:
         backend, ceiling, warm_up, decode, lm_head = parse_config(args.one)
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
                              warm_up == "pool", decode, args.decode_batch, args.explain, args.served, lm_head,
-                             args.pool_segments)))
+                             args.pool_layout)))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
@@ -330,22 +330,22 @@ def main() -> None:
             runs = [parse_config(c) for c in args.only.split(",")]
         except ValueError as e:
             ap.error(str(e))
-    segment_modes = args.pool_segments.split(",")
-    if any(m not in ("fixed", "expandable") for m in segment_modes):
-        ap.error(f"--pool-segments: each value must be fixed or expandable, got {args.pool_segments!r}")
+    layouts = args.pool_layout.split(",")
+    if any(m not in ("grown", "presized") for m in layouts):
+        ap.error(f"--pool-layout: each value must be grown or presized, got {args.pool_layout!r}")
     rows = []
-    for backend, ceiling, warm_up, decode, lm_head, segments in [
-            (*r, m) for r in runs for m in (segment_modes if builds_graphs(r[1], r[3]) else ["fixed"])]:
+    for backend, ceiling, warm_up, decode, lm_head, layout in [
+            (*r, m) for r in runs for m in (layouts if builds_graphs(r[1], r[3]) else ["grown"])]:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
                f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served),
-               "--pool-segments", segments] + \
+               "--pool-layout", layout] + \
             (["--explain"] if args.explain else [])
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
         rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling, "warm_up": warm_up,
                                                            "decode": decode, "lm_head": lm_head,
-                                                           "pool_segments": segments, "error": res.stderr[-2000:]})
+                                                           "pool_layout": layout, "error": res.stderr[-2000:]})
     def base_of(decode: str) -> int | None:
         return next((r.get("above_baseline_bytes") for r in rows
                      if r.get("backend") == "none" and r.get("decode") == decode and r["lm_head"] == "compute"), None)
@@ -379,7 +379,7 @@ def main() -> None:
           "at all with an eager decode step")
     print("live_peak: the most the allocator had handed out at once over the same window (reserved above it is "
           "the caching allocator's slack: what a tighter layout could give back)")
-    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "pool_segments", "mode", "shapes",
+    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "pool_layout", "mode", "shapes",
                        "failed", "build_s", "compile_s", "capture_s", "peak_GiB", "live_peak_GiB", "held_GiB",
                        "pool_GiB", "outside_GiB", "vs_no_graph", "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
     if args.served:

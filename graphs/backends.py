@@ -1,17 +1,16 @@
 """Graph backends: how one shape of a forward is captured and replayed.
 
-A backend captures a zero-argument callable ``fn`` that reads the runner's static inputs and
-writes its static outputs. It owns nothing else: shapes, buffers and padding belong to the
-runner. Every CUDA backend captures on the process capture stream into the process pool
-(:mod:`graphs.process`).
+A backend captures a zero-argument callable ``fn`` that reads the runner's static inputs and writes
+its static outputs; shapes, buffers and padding belong to the runner. Every CUDA backend captures
+on the process capture stream into the process pool (:mod:`graphs.process`).
 
-Warm-ups: a backend's first capture warms up outside the pool (whatever ``fn`` creates lazily
-on its first runs, such as the capture stream's cuBLAS workspace, stays outside), and the
-blocks it cached are given back before the capture grows the pool. Every later warm-up runs
-inside the pool (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never
-hold an activation peak beside the graphs; one that leaves anything allocated there raises
-:class:`WarmUpLeakError`, since a later replay would overwrite it. ``expandable_pool``: each
-capture, warm-ups included, grows the pool in expandable segments (graphs/DESIGN.md).
+Warm-ups: a backend's first capture warms up outside the pool (whatever ``fn`` creates lazily on
+its first runs, such as the capture stream's cuBLAS workspace, stays outside), and the blocks it
+cached are given back before the capture grows the pool. Every later warm-up runs inside the pool
+(``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never hold an activation
+peak beside the graphs; one that leaves anything allocated there raises :class:`WarmUpLeakError`,
+since a later replay would overwrite it. ``presize_pool``: the first capture begins by giving the
+pool one free block of its warm-up's transient peak (graphs/DESIGN.md, "How the pool grows").
 """
 
 from __future__ import annotations
@@ -58,13 +57,13 @@ class GraphBackend(ABC):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True, expandable_pool: bool = False) -> None:
+                 warm_up_in_pool: bool = True, presize_pool: bool = False) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
         self._pool = pool
         self.warm_up_in_pool = warm_up_in_pool
-        self.expandable_pool = expandable_pool
+        self.presize_pool, self._presize_block = presize_pool, 0  # the block the next capture gives the pool
         self.shapes: dict[Hashable, CapturedShape] = {}
 
     @property
@@ -78,15 +77,14 @@ class GraphBackend(ABC):
     def capture(self, key: Hashable, fn: Callable[[], None], phase: str = "") -> CapturedShape:
         """Warm up ``fn`` on the capture stream, then capture it for ``key``.
 
-        Raises :class:`CaptureError` naming the shape and the offending call on failure; nothing
-        is recorded for ``key`` then. The shape's resident bytes are the pool's growth over its
-        warm-up (when that runs in the pool) and its capture.
+        Raises :class:`CaptureError` naming the shape and the offending call on failure; nothing is
+        recorded for ``key`` then. Resident bytes: the pool's growth over warm-up and capture.
         """
         start = time.perf_counter()
         try:
-            with process.expandable_pool_segments(self.device, self.expandable_pool):
-                before = self._warm_up_measured(key, fn, phase)
-                artifact, segments, breaks = self._capture(fn)
+            before = self._warm_up_measured(key, fn, phase)
+            block, self._presize_block = self._presize_block, 0
+            artifact, segments, breaks = self._capture(process.after_free_block(fn, block, self.device))
         except WarmUpLeakError:
             raise
         except CaptureError as e:
@@ -138,8 +136,10 @@ class GraphBackend(ABC):
         if self.device.type != "cuda":
             return 0
         if not (self.warm_up_in_pool and self.shapes):
-            self._warm_up(fn, in_pool=False)
+            with process.transient_peak(self.device, self.presize_pool and not self.shapes) as peak:
+                self._warm_up(fn, in_pool=False)
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
+            self._presize_block = process.presize_bytes(self.pool, self.device, peak())
             return self._reserved()
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)
@@ -259,8 +259,8 @@ class _CompileTimed(GraphBackend):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True, expandable_pool: bool = False) -> None:
-        super().__init__(device, warmup, barrier, pool, warm_up_in_pool, expandable_pool)
+                 warm_up_in_pool: bool = True, presize_pool: bool = False) -> None:
+        super().__init__(device, warmup, barrier, pool, warm_up_in_pool, presize_pool)
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         self.compiles = 0
@@ -383,18 +383,18 @@ def compile_fallback(device: torch.device) -> str:
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                   warm_up_in_pool: bool = True, expandable_pool: bool = False) -> GraphBackend:
+                   warm_up_in_pool: bool = True, presize_pool: bool = False) -> GraphBackend:
     """``full``, ``breakable``, ``tc_piecewise``, ``tc_full`` or ``debug`` (``eager`` is the eager
     runner: no backend).
 
     Off CUDA only ``debug``, ``tc_piecewise`` and ``tc_full`` (compiled, no graphs) exist.
-    ``warm_up_in_pool`` and ``expandable_pool``: see the module docstring.
+    ``warm_up_in_pool`` and ``presize_pool``: see the module docstring.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if device.type == "cuda":
-        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool, expandable_pool)
+        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool, presize_pool)
     if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise', "
                          "'tc_full' or 'eager'")
-    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool, expandable_pool)
+    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool, presize_pool)

@@ -10,7 +10,7 @@ from configkit import ConfigError, Section, check, check_ladder, check_min, pars
 DecodeBackend = Literal["full", "breakable", "tc_full", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
 CaptureMode = Literal["both", "decode", "prefill", "none"]
-PoolSegments = Literal["fixed", "expandable"]
+PoolLayout = Literal["grown", "presized"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,10 @@ class GraphsConfig(Section):
     warm_up_in_pool: each backend's warm-ups after its first capture run inside the graph pool,
         on the blocks captured graphs leave free, so capture holds no activation peak beside the
         graphs; false runs every warm-up outside the pool (graphs.backends).
+    pool_layout: ``grown``: the graph pool grows as the caching allocator grows any pool (a new
+        segment, rounded up, whenever no free block fits); ``presized``: each backend's first
+        capture measures its warm-up's transient peak and gives the pool one free block that size
+        before capturing, so the captures lay out in it (graphs.process.presize_pool).
     """
 
     enabled: bool = True
@@ -138,7 +142,7 @@ class GraphsConfig(Section):
     replan_interval_s: float | None = None
     replan_padding_share: float = 0.1
     warm_up_in_pool: bool = True
-    pool_segments: PoolSegments = "fixed"
+    pool_layout: PoolLayout = "grown"
 
     def __post_init__(self) -> None:
         budget = self.memory_budget

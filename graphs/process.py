@@ -12,8 +12,8 @@ Both are created lazily on first use, per device, and live as long as the proces
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -90,34 +90,65 @@ def allocations_in_pool(pool: tuple, device: torch.device | int | None = None):
         torch._C._cuda_releasePool(idx, pool)
 
 
-def _process_expandable() -> bool:
-    """Whether the process started with expandable segments on (``PYTORCH_CUDA_ALLOC_CONF``, or its
-    device-generic name ``PYTORCH_ALLOC_CONF``): then every segment is expandable already."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+def largest_free_block(pool: tuple, device: torch.device | int | None = None) -> int:
+    """Bytes of the largest free block the graph pool ``pool`` holds for the capture stream (the only
+    stream that allocates from it: the allocator serves a request from a block of its own stream)."""
+    idx = _index(device)
+    stream = capture_stream(idx).cuda_stream
+    return max((block["size"] for segment in torch.cuda.memory_snapshot()
+                if segment.get("device") == idx and tuple(segment.get("segment_pool_id", ())) == tuple(pool)
+                and segment.get("stream") == stream
+                for block in segment["blocks"] if block["state"] == "inactive"), default=0)
 
 
 @contextlib.contextmanager
-def expandable_pool_segments(device: torch.device, enabled: bool = True):
-    """Turn the caching allocator's expandable segments on for the body (a capture pass): the
-    segments the graph pool gains meanwhile are expandable, one per stream that maps 2 MiB pages as
-    the pool grows, instead of a new segment per growth with its size rounded up (the default's slack,
-    which the pool keeps for the process's life). Off CUDA, when not ``enabled``, or when the
-    process runs with expandable segments already, it changes nothing.
+def transient_peak(device: torch.device, measure: bool = True):
+    """Measure the body's transient peak: yields a callable that, after the body, returns the most
+    bytes the device had allocated at once during it above what it has allocated at the end (0 when
+    not ``measure`` or off CUDA).
 
-    Hazard: the setting is process-wide, not per pool or thread. A segment any thread creates while
-    the body runs is expandable too, and memory in one cannot be shared over legacy CUDA IPC handles;
-    graphfleet's IPC-shared tensors (staged KV copies) are made on the capturing thread, in step
-    order, never during a capture (graphs/DESIGN.md).
+    Hazard: measuring resets the device's peak statistics (``torch.cuda.max_memory_*``), which
+    are process-wide; nothing in graphfleet reads them across a capture (graphs/DESIGN.md).
     """
-    if not enabled or device.type != "cuda" or _process_expandable():
-        yield
+    peak = [0]
+    if not measure or device.type != "cuda":
+        yield lambda: peak[0]
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    try:
-        yield
-    finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    torch.cuda.reset_peak_memory_stats(device)
+    yield lambda: peak[0]
+    torch.cuda.synchronize(device)
+    peak[0] = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+
+
+def presize_bytes(pool: tuple, device: torch.device, peak: int) -> int:
+    """The bytes of the one free block to give the graph pool ``pool`` before a capture lays out in
+    it (:func:`after_free_block`): ``peak``, unless the pool has a free block that large on the
+    capture stream already (then 0; 0 off CUDA too)."""
+    if device.type != "cuda" or peak <= 0 or largest_free_block(pool, device) >= peak:
+        return 0
+    return peak
+
+
+def after_free_block(fn: Callable[[], None], nbytes: int, device: torch.device) -> Callable[[], None]:
+    """``fn``, first allocating and freeing ``nbytes`` on the current stream (``fn`` itself when
+    ``nbytes`` is 0). Called inside a capture, that leaves the graph pool one free block of
+    ``nbytes`` (a segment of its own) on the capture stream, and the capture's own allocations lay
+    out inside it (best fit, coalescing on free) instead of growing the pool by a new segment per
+    request no free block fits, each rounded up: the pool then holds about the forward's live peak
+    rather than the allocator's reserved peak (graphs/DESIGN.md, "How the pool grows"). Too small a
+    block costs nothing: the pool grows past it as before. Inside the capture, not before it: a
+    pool no live graph holds yet would be released with its free block, and could not be captured
+    into again.
+    """
+    if nbytes <= 0:
+        return fn
+
+    def presized() -> None:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        del block  # free in the pool, on the capture stream; the pool keeps the segment
+        fn()
+
+    return presized
 
 
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:

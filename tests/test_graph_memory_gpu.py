@@ -11,7 +11,7 @@ import torch
 from deploy.config import load_config
 from graphs.backends import WarmUpLeakError, create_backend
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from graphs.process import graph_pool, pool_bytes
+from graphs.process import graph_pool, pool_bytes, transient_peak
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -81,34 +81,44 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
     assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
 
 
+def test_the_transient_peak_is_what_the_body_held_at_once_above_what_it_left():
+    with transient_peak(CUDA) as peak:
+        kept = torch.empty(8 << 20, dtype=torch.uint8, device=CUDA)
+        scratch = torch.empty(96 << 20, dtype=torch.uint8, device=CUDA)
+        del scratch
+    assert peak() == 96 << 20 and kept.numel() == 8 << 20
+
+
+def _pool_segments(pool: tuple) -> list[int]:
+    return sorted((s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", ())) == tuple(pool)), reverse=True)
+
+
 @pytest.mark.parametrize("backend", ["breakable", "full"])
-def test_an_expandable_pool_holds_no_more_than_fixed_segments_and_the_switch_is_off_after(backend, checkpoint_dir):
-    """graphs.pool_segments side by side on one model: the pool built in expandable segments holds
-    at most what the default segments hold, replays still equal eager, and after the capture pass
-    new segments are ordinary again (the switch covers captures only)."""
+def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(backend, checkpoint_dir):
+    """graphs.pool_layout side by side on one model, each in a fresh pool (no graph holds it before the
+    first capture: the block must be given inside that capture): the presized pool starts with one
+    segment of the first warm-up's transient peak, holds at most what the grown pool holds, every
+    byte counts to a shape, and replays equal eager."""
     own, step = _prefill_step(checkpoint_dir, backend)
-    held = {}
-    for expandable in (False, True):
+    held, segments = {}, {}
+    for presize in (False, True):
         pool = torch.cuda.graph_pool_handle()
-        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, expandable_pool=expandable),
+        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, presize_pool=presize),
                                     default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
         _settle()
         runner.capture_all(progress=False)
         assert not runner.failed, runner.failed
-        held[expandable] = pool_bytes(pool)
-        assert runner.resident_bytes == held[expandable]
-        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
-        assert all(s.get("is_expandable", False) == expandable for s in segments), segments
-        if expandable:
+        held[presize], segments[presize] = pool_bytes(pool), _pool_segments(pool)
+        assert runner.resident_bytes == held[presize]
+        if presize:
             _check_replays_equal_eager(own, runner, 2)
         runner.release()
         del runner
-    after = torch.empty(64 << 20, dtype=torch.uint8, device=CUDA)  # a new segment after the pass
-    made = [s for s in torch.cuda.memory_snapshot()
-            if s["address"] <= after.data_ptr() < s["address"] + s["total_size"]]
-    assert made and not made[0].get("is_expandable", False), made
-    print(f"{backend}: pool with fixed segments {held[False] / 2**20:.1f} MiB, expandable {held[True] / 2**20:.1f} MiB")
+    print(f"{backend}: grown pool {held[False] / 2**20:.1f} MiB in segments {[n >> 20 for n in segments[False]]} MiB; "
+          f"presized {held[True] / 2**20:.1f} MiB in {[n >> 20 for n in segments[True]]} MiB")
     assert held[True] <= held[False]
+    assert segments[True][0] >= segments[False][0]  # the presized block: the transient peak, not one request
 
 
 def test_a_warm_up_that_leaves_memory_in_the_pool_raises():
