@@ -12,9 +12,10 @@ released its GPU memory (a device-side assert poisons only the child's CUDA cont
 non-zero exit or a timeout is a row with the child's last stderr lines, never a crashed bench):
 
 * ``ours_compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)`` of our decode step, what
-  a user of our code would try; timed as ours, ``--compile-batches``. This script with
-  ``--compile-one`` and our environment (torch.compile state is process-wide: building a model after
-  a compile once tripped an assert, and a child lets several presets run in one invocation).
+  a user of our code would try (attention through our ``graphfleet::attention`` op); timed as ours,
+  ``--compile-batches``. This script with ``--compile-one`` and our environment, one child per batch
+  (torch.compile state is process-wide: building a model after a compile once tripped an assert, and
+  a failed compile left the next batch's first CUDA call asserting).
 * ``hf``: HF transformers ``generate()`` with a static cache, eager (``disable_compile=True``);
   ``hf_compile``: the same with transformers' automatic torch.compile. ``--hf-batches``, our env.
 * ``vllm``: vLLM 0.25.0's offline ``LLM`` (CUDA graphs on), ``--vllm-batches``, in a child whose
@@ -65,13 +66,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, environment, print_table, write_results  # noqa: E402
-from bench.decode_peers import emit, error_text, hf_peer, run_peer, step_or_error, vllm_peer  # noqa: E402
+from bench.decode_peers import emit, error_text, hf_peer, merge_results, run_peer, step_or_error, vllm_peer  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from graphs.backends import create_backend  # noqa: E402
 from graphs.buckets import default_decode_ladder  # noqa: E402
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch  # noqa: E402
 from worker.attention.base import AttentionBatch  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
+from worker.attention.splitting import SplittingAttention  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
@@ -223,14 +225,26 @@ def ladder_memory(setup: Setup, max_bs: int) -> dict:
 
 
 def compiled_ours(setup: Setup, batches: list[int], repeats: int) -> None:
-    """torch.compile(mode="reduce-overhead") of our decode step: one JSON row per batch on stdout (child side)."""
+    """torch.compile(mode="reduce-overhead") of our decode step: one JSON row per batch on stdout (child side).
+
+    Attention goes through the ``graphfleet::attention`` custom op (as ``tc_full`` traces it), so dynamo
+    sees the step as one graph; called directly, flashinfer's Python wrappers break it at every layer,
+    the per-layer frames recompile past dynamo's limit, and inductor failed (H200, 2a446d4). Each batch
+    plans into flashinfer's CUDA-graph wrapper for its size, whose buffers keep their addresses, so the
+    graphs cudagraph trees record read each later plan."""
     step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
-    compiled = torch.compile(step.forward, mode="reduce-overhead", dynamic=False)
+    splitting = SplittingAttention(setup.attention)
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return setup.model.compute_logits(setup.model(input_ids, positions, splitting), dtype=None)
+
+    compiled = torch.compile(forward, mode="reduce-overhead", dynamic=False)
     for b in batches:
         live = setup.batch(b)
+        step.plan_dummy(b)  # selects the graph wrapper of b rows
 
         def run():
-            setup.attention.plan(live.attention)
+            step.plan(live.attention, b)
             return compiled(live.input_ids, live.positions)
 
         try:
@@ -244,11 +258,11 @@ def run_peers(path: Path, args: argparse.Namespace, peers: list[str]) -> dict[st
     ctx, reps, out = args.context, args.peer_repeats, {}
     for peer in (p for p in PEERS if p in peers):
         print(f"{path.name}: peer {peer}", flush=True)
-        if peer == "ours_compile":
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-one", str(path), "--compile-batches",
-                   args.compile_batches, "--context", str(ctx), "--repeats", str(args.repeats), "--attention",
-                   args.attention]
-            out[peer] = run_peer(peer, cmd, dict(os.environ), args.peer_timeout_s, ints(args.compile_batches))
+        if peer == "ours_compile":  # a child per batch: a failed compile can leave a process unusable
+            out[peer] = merge_results(peer, [run_peer(peer, [
+                sys.executable, str(Path(__file__).resolve()), "--compile-one", str(path), "--compile-batches", str(b),
+                "--context", str(ctx), "--repeats", str(args.repeats), "--attention", args.attention],
+                dict(os.environ), args.peer_timeout_s, [b]) for b in ints(args.compile_batches)])
         elif peer in ("hf", "hf_compile"):
             out[peer] = hf_peer(path, ints(args.hf_batches), ctx, reps, args.peer_timeout_s, compile_=peer != "hf")
         else:

@@ -81,6 +81,20 @@ def run_peer(name: str, cmd: list[str], env: dict[str, str], timeout_s: float, b
     return {"batches": batches, "rows": rows, "error": error, "wall_s": time.monotonic() - t0}
 
 
+def merge_results(name: str, results: list[dict]) -> dict:
+    """One result of several children of ``name`` (each asked for its own batches, in order): a child
+    that gave no row for a batch makes that batch's row its error; the merged ``error`` is set only
+    when no child gave a row."""
+    rows: dict[int, dict] = {}
+    for result in results:
+        for b in result["batches"]:
+            rows[b] = result["rows"].get(b) or {"peer": name, "batch": b, "error": result["error"] or "no row"}
+    errors = [r["error"] for r in results if r["error"]]
+    return {"batches": [b for r in results for b in r["batches"]], "rows": rows,
+            "error": errors[0] if errors and not any("step_s" in r for r in rows.values()) else None,
+            "wall_s": sum(r["wall_s"] for r in results)}
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
