@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -110,12 +109,6 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
     return steps
 
 
-def builds_graphs(ceiling: int | str | None, decode: str) -> bool:
-    """Whether a configuration captures graphs (prefill up to a ceiling, or decode graphs): the rows
-    that ``--pool-layout`` applies to."""
-    return ceiling not in (None, "none") or decode == "graphs"
-
-
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
         decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
         lm_head: str = "graph", pool_layout: str = "grown") -> dict:
@@ -157,7 +150,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
-    presize = pool_layout == "presized" and builds_graphs(ceiling, decode)
+    presize = pool_layout == "presized"
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
                                           create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
@@ -259,7 +252,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode, "lm_head": lm_head,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
-            "allocator": allocator, "pool_layout": pool_layout if presize else "grown",
+            "allocator": allocator, "pool_layout": pool_layout,
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -335,7 +328,7 @@ def main() -> None:
         ap.error(f"--pool-layout: each value must be grown or presized, got {args.pool_layout!r}")
     rows = []
     for backend, ceiling, warm_up, decode, lm_head, layout in [
-            (*r, m) for r in runs for m in (layouts if builds_graphs(r[1], r[3]) else ["grown"])]:
+            (*r, m) for r in runs for m in (layouts if r[1] != "none" or r[3] == "graphs" else ["grown"])]:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
                f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served),
@@ -397,9 +390,7 @@ def main() -> None:
             for site in r.get(key) or []:
                 print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {where} "
                       f"{site['MiB']:8.1f} MiB  {site['site']}")
-    results = {"env": environment(), "rows": rows, "args": vars(args),
-               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
-    print(f"wrote {write_results('capture', results)}")
+    print(f"wrote {write_results('capture', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def environment() -> dict:
     }
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):  # the allocator's settings change every memory number
+        env["alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     try:
         import flashinfer
 

@@ -13,9 +13,7 @@ non-zero exit or a timeout is a row with the child's last stderr lines, never a 
 
 * ``ours_compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)`` of our decode step, what
   a user of our code would try (attention through our ``graphfleet::attention`` op); timed as ours,
-  ``--compile-batches``. This script with ``--compile-one`` and our environment, one child per batch
-  (torch.compile state is process-wide: building a model after a compile once tripped an assert, and
-  a failed compile left the next batch's first CUDA call asserting).
+  ``--compile-batches``, one ``bench/decode_compile.py`` child per batch, our environment.
 * ``hf``: HF transformers ``generate()`` with a static cache, eager (``disable_compile=True``);
   ``hf_compile``: the same with transformers' automatic torch.compile. ``--hf-batches``, our env.
 * ``vllm``: vLLM 0.25.0's offline ``LLM`` (CUDA graphs on), ``--vllm-batches``, in a child whose
@@ -66,14 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, environment, print_table, write_results  # noqa: E402
-from bench.decode_peers import emit, error_text, hf_peer, merge_results, run_peer, step_or_error, vllm_peer  # noqa: E402
+from bench.decode_peers import hf_peer, merge_results, run_peer, step_or_error, vllm_peer  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from graphs.backends import create_backend  # noqa: E402
 from graphs.buckets import default_decode_ladder  # noqa: E402
 from graphs.decode import DecodeGraphRunner, LiveDecodeBatch  # noqa: E402
 from worker.attention.base import AttentionBatch  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
-from worker.attention.splitting import SplittingAttention  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
@@ -224,45 +221,17 @@ def ladder_memory(setup: Setup, max_bs: int) -> dict:
             "one_pool_per_shape_bytes": per_shape, "shared_over_largest": shared / largest}
 
 
-def compiled_ours(setup: Setup, batches: list[int], repeats: int) -> None:
-    """torch.compile(mode="reduce-overhead") of our decode step: one JSON row per batch on stdout (child side).
-
-    Attention goes through the ``graphfleet::attention`` custom op (as ``tc_full`` traces it), so dynamo
-    sees the step as one graph; called directly, flashinfer's Python wrappers break it at every layer,
-    the per-layer frames recompile past dynamo's limit, and inductor failed (H200, 2a446d4). Each batch
-    plans into flashinfer's CUDA-graph wrapper for its size, whose buffers keep their addresses, so the
-    graphs cudagraph trees record read each later plan."""
-    step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
-    splitting = SplittingAttention(setup.attention)
-
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return setup.model.compute_logits(setup.model(input_ids, positions, splitting), dtype=None)
-
-    compiled = torch.compile(forward, mode="reduce-overhead", dynamic=False)
-    for b in batches:
-        live = setup.batch(b)
-        step.plan_dummy(b)  # selects the graph wrapper of b rows
-
-        def run():
-            step.plan(live.attention, b)
-            return compiled(live.input_ids, live.positions)
-
-        try:
-            emit("ours_compile", b, step_s=timed(run, repeats))
-        except Exception as e:  # noqa: BLE001 - a failing peer is a result
-            emit("ours_compile", b, error=error_text(e))
-
-
 def run_peers(path: Path, args: argparse.Namespace, peers: list[str]) -> dict[str, dict]:
     """Each selected peer in a child of its own, in :data:`PEERS` order: ``{peer: run_peer's result}``."""
     ctx, reps, out = args.context, args.peer_repeats, {}
     for peer in (p for p in PEERS if p in peers):
         print(f"{path.name}: peer {peer}", flush=True)
         if peer == "ours_compile":  # a child per batch: a failed compile can leave a process unusable
-            out[peer] = merge_results(peer, [run_peer(peer, [
-                sys.executable, str(Path(__file__).resolve()), "--compile-one", str(path), "--compile-batches", str(b),
-                "--context", str(ctx), "--repeats", str(args.repeats), "--attention", args.attention],
-                dict(os.environ), args.peer_timeout_s, [b]) for b in ints(args.compile_batches)])
+            child = [sys.executable, str(Path(__file__).resolve().with_name("decode_compile.py")), "--model", str(path),
+                     "--context", str(ctx), "--repeats", str(args.repeats), "--attention", args.attention,
+                     "--page-size", str(args.page_size)]
+            out[peer] = merge_results(peer, [run_peer(peer, child + ["--batch", str(b)], dict(os.environ),
+                                                      args.peer_timeout_s, [b]) for b in ints(args.compile_batches)])
         elif peer in ("hf", "hf_compile"):
             out[peer] = hf_peer(path, ints(args.hf_batches), ctx, reps, args.peer_timeout_s, compile_=peer != "hf")
         else:
@@ -340,7 +309,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fa3", action="store_true", help="also the full graph with fa3 decode kernels (Hopper)")
     ap.add_argument("--no-norm-linear", action="store_true",
                     help="leave out full_norm_linear and eager_norm_linear (model.norm_linear_rows=16)")
-    ap.add_argument("--compile-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     unknown = set(filter(None, args.peers.split(","))) - set(PEERS)
     if unknown:
@@ -385,11 +353,6 @@ def report(results: dict, peers: list[str]) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.compile_one:
-        batches = ints(args.compile_batches)
-        compiled_ours(Setup(Path(args.compile_one), max(batches), args.context, args.attention, args.page_size),
-                      batches, args.repeats)
-        return
     bw = copy_bandwidth()
     print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
     results = {"env": environment(), "copy_bandwidth_Bps": bw, "args": vars(args), "presets": {}}

@@ -63,7 +63,7 @@ class GraphBackend(ABC):
         self.barrier = barrier
         self._pool = pool
         self.warm_up_in_pool = warm_up_in_pool
-        self.presize_pool, self._presize_block = presize_pool, 0  # the block the next capture gives the pool
+        self.presize_pool = presize_pool
         self.shapes: dict[Hashable, CapturedShape] = {}
 
     @property
@@ -82,8 +82,10 @@ class GraphBackend(ABC):
         """
         start = time.perf_counter()
         try:
-            before = self._warm_up_measured(key, fn, phase)
-            block, self._presize_block = self._presize_block, 0
+            # A first capture warms up outside the pool: its transient peak sizes the presized block.
+            with process.transient_peak(self.device, self.presize_pool and not self.shapes) as peak:
+                before = self._warm_up_measured(key, fn, phase)
+            block = process.presize_bytes(self.pool, self.device, peak()) if peak() else 0
             artifact, segments, breaks = self._capture(process.after_free_block(fn, block, self.device))
         except WarmUpLeakError:
             raise
@@ -136,10 +138,8 @@ class GraphBackend(ABC):
         if self.device.type != "cuda":
             return 0
         if not (self.warm_up_in_pool and self.shapes):
-            with process.transient_peak(self.device, self.presize_pool and not self.shapes) as peak:
-                self._warm_up(fn, in_pool=False)
+            self._warm_up(fn, in_pool=False)
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
-            self._presize_block = process.presize_bytes(self.pool, self.device, peak())
             return self._reserved()
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)

@@ -62,13 +62,17 @@ def pool_bytes(pool: tuple, device: torch.device | int | None = None) -> int:
 def pool_usage(pool: tuple, device: torch.device | int | None = None) -> tuple[int, int]:
     """(reserved, allocated) bytes of the graph pool ``pool``: what its segments hold, and what of
     that live tensors (static outputs, buffers created inside the pool) still occupy."""
-    idx = _index(device)
     reserved = allocated = 0
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device") == idx and tuple(segment.get("segment_pool_id", ())) == tuple(pool):
-            reserved += segment["total_size"]
-            allocated += segment["allocated_size"]
+    for segment in _segments(pool, _index(device)):
+        reserved += segment["total_size"]
+        allocated += segment["allocated_size"]
     return reserved, allocated
+
+
+def _segments(pool: tuple, idx: int) -> list[dict]:
+    """The allocator's segments of graph pool ``pool`` on device ``idx`` (a memory snapshot)."""
+    return [segment for segment in torch.cuda.memory_snapshot()
+            if segment.get("device") == idx and tuple(segment.get("segment_pool_id", ())) == tuple(pool)]
 
 
 @contextlib.contextmanager
@@ -95,9 +99,7 @@ def largest_free_block(pool: tuple, device: torch.device | int | None = None) ->
     stream that allocates from it: the allocator serves a request from a block of its own stream)."""
     idx = _index(device)
     stream = capture_stream(idx).cuda_stream
-    return max((block["size"] for segment in torch.cuda.memory_snapshot()
-                if segment.get("device") == idx and tuple(segment.get("segment_pool_id", ())) == tuple(pool)
-                and segment.get("stream") == stream
+    return max((block["size"] for segment in _segments(pool, idx) if segment.get("stream") == stream
                 for block in segment["blocks"] if block["state"] == "inactive"), default=0)
 
 
