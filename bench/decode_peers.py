@@ -158,9 +158,22 @@ def emit(peer: str, batch: int, **fields) -> None:
     print(json.dumps({"peer": peer, "batch": batch, **fields}), flush=True)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
 def error_text(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"
+    """``Type: first line`` of ``e``, then of its root cause when it has one (a compiler's wrapper
+    error, ``BackendCompilerFailed: backend='inductor' raised:``, says nothing by itself)."""
+    root, seen = e, {id(e)}
+    while True:
+        cause = getattr(root, "inner_exception", None) or root.__cause__ or root.__context__
+        if not isinstance(cause, BaseException) or id(cause) in seen:
+            break
+        root = cause
+        seen.add(id(root))
+    return _first_line(e) if root is e else f"{_first_line(e)} <- {_first_line(root)}"
 
 
 def per_token(gen: Callable[[int], None], repeats: int, sync: Callable[[], None]) -> dict:
