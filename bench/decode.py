@@ -38,12 +38,6 @@ batch is the ``graph_split_kv`` column.
 attention an opaque op, one full graph a shape; ``tc_full_over_full`` below 1: it is faster), with
 its compile and capture seconds apart in ``graph_memory`` (a failed compile is its
 ``compile_error`` there and no rows).
-``full_norm_linear`` and ``eager_norm_linear`` (batches up to 16; ``--no-norm-linear`` leaves them
-out) are the full graph and the eager step with ``model.norm_linear_rows=16``: each layer's add +
-RMSNorm inside the qkv and gate/up projections, RoPE and the KV write inside the qkv one
-(worker/model/norm_linear.py, norm_qkv_rope.py: five kernels a layer instead of nine);
-``full_norm_linear_no_rope`` the same without RoPE in the qkv kernel (six);
-``norm_linear_over_full`` below 1: the fused layers are faster.
 
 GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 bench/decode.py
 --presets tinyllama-1.1b``; a missing vLLM site is a ``vllm`` error row.
@@ -74,7 +68,6 @@ from worker.attention.factory import create_attention_backend  # noqa: E402
 from worker.kv_cache import KVCacheShape, PagedKVCache  # noqa: E402
 from worker.model.kernels import select_kernels  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
-from worker.model.norm_linear import MAX_ROWS as NORM_LINEAR_ROWS  # noqa: E402
 from worker.model_steps import CompiledDecodeStep, ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -141,22 +134,17 @@ class Setup:
         return weights + b * (self.context + 1) * per_token
 
 
-def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
-         norm_linear: bool = True) -> tuple[dict, dict]:
+def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) -> tuple[dict, dict]:
     rows: dict[tuple[str, int], float] = {}
     eager_step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
-    fused_batches = [b for b in batches if b <= NORM_LINEAR_ROWS] if norm_linear else []
-    for name, rows_fused, bs in (("eager", 0, batches), ("eager_norm_linear", NORM_LINEAR_ROWS, fused_batches)):
-        setup.model.use_norm_linear(rows_fused)  # with RoPE in the qkv kernel
-        for b in bs:
-            live = setup.batch(b)
+    for b in batches:
+        live = setup.batch(b)
 
-            def eager():
-                setup.attention.plan(live.attention)
-                return eager_step.forward(live.input_ids, live.positions).float()  # float32, as the engine
+        def eager():
+            setup.attention.plan(live.attention)
+            return eager_step.forward(live.input_ids, live.positions).float()  # float32, as the engine
 
-            rows[(name, b)] = timed(eager, repeats)
-    setup.model.use_norm_linear(0)
+        rows[("eager", b)] = timed(eager, repeats)
     memory = {}
     variants = [("full", setup.attention), ("breakable", setup.attention)]
     if setup.two_kernel is not None:
@@ -167,18 +155,14 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
         variants.append(("full_fa3", setup.fa3))
     if tc_full:
         variants.append(("tc_full", setup.attention))
-    if fused_batches:
-        variants += [("full_norm_linear", setup.attention), ("full_norm_linear_no_rope", setup.attention)]
     for name, attention in variants:
-        fused = name.startswith("full_norm_linear")
-        setup.model.use_norm_linear(NORM_LINEAR_ROWS if fused else 0, rope=name == "full_norm_linear")
         if name == "tc_full":  # graphs.decode.backend=tc_full: the compiled forward, one full graph a shape
             step = CompiledDecodeStep(setup.model, attention)
             backend = create_backend("tc_full", CUDA)
         else:
             step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
             backend = create_backend(name.split("_")[0], CUDA)
-        runner = DecodeGraphRunner(step, backend, fused_batches if fused else batches)
+        runner = DecodeGraphRunner(step, backend, batches)
         summary = runner.capture_all(progress=False)
         if runner.failed:
             raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
@@ -195,7 +179,6 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False,
             rows[(name, b)] = timed(lambda: runner.execute(live, choice), repeats)
         runner.release()
         gc.collect()
-    setup.model.use_norm_linear(0)
     return rows, memory
 
 
@@ -261,12 +244,6 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
             if (f"full_{forced}", b) in rows:
                 r[f"full_{forced}_ms"] = rows[(f"full_{forced}", b)] * 1e3
                 r[f"{forced}_over_full"] = rows[(f"full_{forced}", b)] / full
-        if ("full_norm_linear", b) in rows:  # add + RMSNorm inside the qkv and gate/up projections
-            r["full_norm_linear_ms"] = rows[("full_norm_linear", b)] * 1e3
-            r["norm_linear_over_full"] = rows[("full_norm_linear", b)] / full
-            r["eager_norm_linear_ms"] = rows[("eager_norm_linear", b)] * 1e3
-            r["eager_norm_linear_over_eager"] = rows[("eager_norm_linear", b)] / rows[("eager", b)]
-            r["norm_linear_no_rope_over_full"] = rows[("full_norm_linear_no_rope", b)] / full
         if ("tc_full", b) in rows:  # the torch.compile'd forward in one full graph a shape
             r["tc_full_ms"] = rows[("tc_full", b)] * 1e3
             r["tc_full_over_full"] = rows[("tc_full", b)] / full
@@ -307,8 +284,6 @@ def parse_args() -> argparse.Namespace:
                     help="also time graphs.decode.backend=tc_full (torch.compile'd forward, one full graph a "
                          "shape; its compile and capture seconds go to graph_memory)")
     ap.add_argument("--fa3", action="store_true", help="also the full graph with fa3 decode kernels (Hopper)")
-    ap.add_argument("--no-norm-linear", action="store_true",
-                    help="leave out full_norm_linear and eager_norm_linear (model.norm_linear_rows=16)")
     args = ap.parse_args()
     unknown = set(filter(None, args.peers.split(","))) - set(PEERS)
     if unknown:
@@ -322,7 +297,7 @@ def bench_preset(preset: str, args: argparse.Namespace, bw: float) -> dict:
     path = ensure_checkpoint(preset, Path(args.checkpoints))
     setup = Setup(path, max(batches), args.context, args.attention, args.page_size, args.fa3)
     floors = {b: setup.floor_bytes(b) / bw * 1e3 for b in batches}
-    rows, memory = ours(setup, batches, args.repeats, args.tc_full, not args.no_norm_linear)
+    rows, memory = ours(setup, batches, args.repeats, args.tc_full)
     split_of = getattr(setup.attention, "graph_splits_kv", None)
     splits = {b: split_of(b) if split_of else None for b in batches}
     memory["ladder"] = ladder_memory(setup, max(batches))
@@ -339,9 +314,7 @@ def report(results: dict, peers: list[str]) -> None:
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
                  "two_kernel_over_fused", "split_over_full", "no_split_over_full", "fa3_over_full", "tc_full_ms",
-                 "tc_full_over_full", "full_norm_linear_ms", "norm_linear_over_full",
-                 "norm_linear_no_rope_over_full", "eager_ms",
-                 "eager_norm_linear_over_eager", "breakable_ms",
+                 "tc_full_over_full", "eager_ms", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])

@@ -1,4 +1,4 @@
-"""Compile our Triton decode kernels for Hopper (sm_90) on a machine with no GPU: Triton's own
+"""Compile our Triton kernels for Hopper (sm_90) on a machine with no GPU: Triton's own
 compiler and its bundled ptxas, no interpreter. Run as ``python -m tests.kernel_compile`` (with
 ``TRITON_INTERPRET`` unset: under it ``triton.jit`` makes interpreted functions, which do not
 compile); prints one JSON line per kernel variant. Used by tests/test_kernel_compile.py."""
@@ -9,28 +9,17 @@ import json
 import os
 import sys
 
-LINEAR_SIGNATURE = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "g_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr")},
-                    **{i: "i32" for i in ("M", "K", "N", "x_row", "r_row", "out_row")}, "eps": "fp32"}
-ROPE_SIGNATURE = {**{p: "*bf16" for p in ("x_ptr", "r_ptr", "g_ptr", "w_ptr", "b_ptr", "q_ptr", "res_ptr")},
-                  "pos_ptr": "*i64", "loc_ptr": "*i32", "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16",
-                  **{i: "i32" for i in ("M", "K", "x_row", "r_row")}, "eps": "fp32"}
-#: (name, module, kernel, signature, constexprs): the default tilings (16 weight rows; K steps of 256
-#: for one row, 128 for 16) of every switch the layers use, and a wide tile of the bench's sweep.
+ROPE_STORE_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_row": "i32", "k_row": "i32",
+                        "v_row": "i32", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "cache_ptr": "*bf16"}
+#: (name, module, kernel, signature, constexprs): the RoPE + KV-write kernel of the flashinfer backend's
+#: decode and prefill steps, at the attention shapes of tinyllama-1.1b (32 q heads, 4 KV heads of 64)
+#: and llama-3-8b (32 and 8 of 128), with int32 and int64 locations.
 VARIANTS = [
-    *[(f"norm_linear rows={bm} norm={n} residual={r} bias={b} silu={s} block_n={bn}", "worker.model.norm_linear",
-       "_add_norm_linear_kernel", LINEAR_SIGNATURE,
-       {"HAS_NORM": n, "HAS_RESIDUAL": r, "HAS_BIAS": b, "SILU_MUL": s, "BLOCK_M": bm, "BLOCK_N": bn,
-        "BLOCK_K": 256 if bm == 1 else 128, "DOT_PRECISION": "tf32", "DOT_FP32": False})
-      for n, r, b, s, bn in [(True, True, False, False, 16), (True, True, False, True, 16),
-                             (True, False, True, False, 64), (False, False, False, False, 16)]
-      for bm in (1, 16)],
-    *[(f"norm_qkv_rope rows={bm} head_dim={hd} bias={b}", "worker.model.norm_qkv_rope", "_norm_qkv_rope_kernel",
-       ROPE_SIGNATURE,
-       {"HAS_RESIDUAL": True, "HAS_BIAS": b, "NUM_Q_HEADS": 32, "NUM_KV_HEADS": kv, "HALF": hd // 2, "PAGE_SIZE": 16,
-        "BLOCK_M": bm, "BLOCK_P": bp, "BLOCK_K": 256 if bm == 1 else 128, "DOT_PRECISION": "tf32", "DOT_FP32": False})
-      for hd, kv, b, bp in [(64, 4, False, 16), (128, 8, True, 32)] for bm in (1, 16)],
+    (f"rope_store q_heads=32 kv_heads={kv} head_dim={hd} locations={loc}", "worker.attention.rope_store",
+     "_rope_store_kernel", {**ROPE_STORE_SIGNATURE, "loc_ptr": f"*{loc}"},
+     {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": kv, "BLOCK_Q": 32, "BLOCK_KV": kv, "HALF": hd // 2, "PAGE_SIZE": 16})
+    for kv, hd in [(4, 64), (8, 128)] for loc in ("i32", "i64")
 ]
-
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):

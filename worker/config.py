@@ -24,14 +24,6 @@ class ModelConfig(Section):
     device: "auto" = CUDA when available, else CPU.
     max_model_len: longest sequence (prompt + output) in tokens; None = from the checkpoint.
     seed: random seed for sampling and initialisation.
-    norm_linear_rows: forwards of at most this many tokens (decode steps; 1-16) run each layer's
-        residual add + RMSNorm inside the projection after it, one Triton kernel for norm + qkv
-        (+ RoPE and the KV write where the attention shape allows: worker/model/norm_qkv_rope.py)
-        and one for norm + gate/up + SiLU-and-mul (worker/model/norm_linear.py): five kernels a
-        layer instead of nine. 0 (default): off; measured slower than the nine-kernel layer on an
-        H100 (decode-20261205T101016: 1.05-1.42x at batches 1-16; bench/README.md). A setting
-        is per token count, so eager steps and captured shapes of one size agree; on CPU the
-        kernel runs in Triton's interpreter (tests only: slow).
     """
 
     path: str | None = None
@@ -39,12 +31,9 @@ class ModelConfig(Section):
     device: Device = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    norm_linear_rows: int = 0
 
     def __post_init__(self) -> None:
         check_min(self.max_model_len, "max_model_len", 1)
-        check(0 <= self.norm_linear_rows <= 16, "norm_linear_rows",
-              f"must be 0 (off) to 16 (the kernel's row tile), got {self.norm_linear_rows!r}")
 
     def resolved_device(self, cuda_available: bool) -> Literal["cpu", "cuda"]:
         """``device`` with "auto" resolved."""

@@ -53,7 +53,6 @@ class Worker:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         kernels = select_kernels(self.device, prefer_fused=config.attention.backend != "torch")
         self.model, self.arch = load_model(Path(config.model.path), self.dtype, self.device, tp, kernels)
-        self.model.use_norm_linear(config.model.norm_linear_rows)
         # The graph budget may be a fraction of the memory free after weights: read it now,
         # before the KV cache takes the rest (order: weights, graph budget, KV cache, capture).
         self.free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0

@@ -228,15 +228,9 @@ class AttentionBackend(ABC):
         self.store(layer, k.view(tokens, s.num_kv_heads, s.head_dim), v.view(tokens, s.num_kv_heads, s.head_dim))
         return q.view(tokens, s.num_q_heads, s.head_dim)
 
-    def kv_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(one layer's cache, locations)`` for a caller that writes this step's keys and values
-        itself, at the planned tokens' locations, in a graph-safe kernel (the model's fused qkv +
-        RoPE + KV write: :mod:`worker.model.norm_qkv_rope`), then calls :meth:`attend_stored`."""
-        return self.kv_cache.layer(layer), self.locations
-
     def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of rotated ``q`` (tokens, Hq, D) over the cache, whose keys and values for this
-        step the caller wrote (:meth:`kv_write_target`); returns (tokens, Hq, D)."""
+        """Attention of rotated ``q`` (tokens, Hq, D) over the cache, which already holds this step's
+        keys and values; returns (tokens, Hq, D)."""
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         self.attend(layer, q, out)
         return out

@@ -34,9 +34,6 @@ class BreakingAttention:
     def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attend_stored(layer, self.backend.store_rotated(layer, rope, q, k, v))
 
-    def kv_write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.backend.kv_write_target(layer)
-
     def attend_stored(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of ``q`` over the stored cache, as the eager break."""
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -7,8 +7,6 @@ runner can capture it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -20,8 +18,6 @@ from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.rotary import cos_sin_cache
 from worker.model.torch_kernels import TorchKernels
 from worker.model.weights import SafetensorsCheckpoint
-
-log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +52,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", arch.head_dim, arch.rms_norm_eps, dtype, kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), rope, attn)
-
-    def attend(self, qkv: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
-        """Attention and the output projection of the fused projection's output ``qkv`` (tokens, q + 2 kv)."""
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
@@ -89,16 +82,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer. ``norm_linear_rows``: a forward of at most this many tokens runs each
-    residual add + RMSNorm inside the projection after it (:mod:`worker.model.norm_linear`: qkv,
-    and gate/up with SiLU-and-mul); 0 (the default): never. Set through
-    :meth:`LlamaForCausalLM.use_norm_linear`."""
+    """One decoder layer: RMSNorm, attention, residual add + RMSNorm, MLP."""
 
     def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel, dtype: torch.dtype, kernels: Kernels) -> None:
         super().__init__()
-        self.norm_linear_rows = 0
-        self._norm_linear = None  # worker.model.norm_linear.launch while norm_linear_rows > 0
-        self._qkv_rope = None  # worker.model.norm_qkv_rope.launch where the layer's shape takes it
         prefix = f"model.layers.{layer}"
         self.self_attn = Attention(arch, layer, tp, dtype, kernels)
         self.mlp = MLP(arch, layer, tp, dtype, kernels)
@@ -109,8 +96,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        if 0 < x.shape[0] <= self.norm_linear_rows and not torch.compiler.is_compiling():
-            return self._forward_norm_linear(x, residual, rope, attn)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -120,23 +105,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
 
-    def _forward_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
-                             attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        launch, sa = self._norm_linear, self.self_attn
-        ln, qkv_proj = self.input_layernorm, sa.qkv_proj
-        target = attn.kv_write_target(sa.layer) if self._qkv_rope is not None and hasattr(attn, "kv_write_target") \
-            else None
-        if target is not None:  # RoPE and the KV write in the projection's kernel too
-            q, residual = self._qkv_rope(x, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias, sa.q_heads,
-                                         rope.positions, rope.cos_sin_cache, *target)
-            out = attn.attend_stored(sa.layer, q.view(q.shape[0], sa.q_heads, sa.head_dim))
-            x = sa.o_proj(out.reshape(q.shape[0], sa.q_size))
-        else:
-            qkv, residual = launch(x, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
-            x = sa.attend(qkv, rope, attn)
-        ln, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
-        act, residual = launch(x, residual, ln.weight, ln.eps, gate_up.weight, None, silu_mul=True)
-        return self.mlp.down_proj(act), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -173,33 +141,6 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
-
-    def use_norm_linear(self, rows: int, rope: bool = True) -> None:
-        """Forwards of at most ``rows`` tokens (decode steps) run each layer's residual add + RMSNorm
-        inside the projection after it (:mod:`worker.model.norm_linear`); 0: never. With ``rope``,
-        where the attention shape allows (:func:`worker.model.norm_qkv_rope.supports`), the qkv
-        kernel also rotates q and k and writes the KV cache (:mod:`worker.model.norm_qkv_rope`).
-        Takes effect at the next forward, so a graph runner sets it before capture; it needs Triton,
-        and at most :data:`worker.model.norm_linear.MAX_ROWS` rows."""
-        launch = qkv_rope = None
-        if rows:
-            from worker.model.norm_linear import MAX_ROWS, launch
-
-            if not 0 < rows <= MAX_ROWS:
-                raise ValueError(f"norm_linear rows must be 0 (off) or 1-{MAX_ROWS}, got {rows}")
-            if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-                raise ValueError(f"norm_linear needs a float model dtype, not {self.dtype}")
-            from worker.model import norm_qkv_rope
-
-            s = self.attention_shape
-            if rope and norm_qkv_rope.supports(s.head_dim, s.num_q_heads, s.num_kv_heads, self.arch.qk_norm):
-                qkv_rope = norm_qkv_rope.launch
-        for layer in self.layers:
-            layer.norm_linear_rows, layer._norm_linear, layer._qkv_rope = rows, launch, qkv_rope
-        if rows:
-            log.info("forwards of <= %d tokens: each layer's add + RMSNorm runs inside its qkv and gate/up "
-                     "projections (worker/model/norm_linear.py)%s", rows,
-                     ", RoPE and the KV write inside the qkv one" if qkv_rope else "")
 
     def load(self, ckpt: SafetensorsCheckpoint) -> None:
         """Fill every parameter from ``ckpt`` (only this rank's shards are read)."""
