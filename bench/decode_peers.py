@@ -165,13 +165,12 @@ def _first_line(e: BaseException) -> str:
 
 def error_text(e: BaseException) -> str:
     """``Type: first line`` of ``e``, then of its root cause when it has one (a compiler's wrapper
-    error, ``BackendCompilerFailed: backend='inductor' raised:``, says nothing by itself)."""
+    error, ``BackendCompilerFailed: backend='inductor' raised:``, says nothing by itself). The walk is
+    ``graphs.capture_failures.root_cause``'s, written here because this module imports the standard
+    library only (the vLLM child cannot import ours)."""
     root, seen = e, {id(e)}
-    while True:
-        cause = getattr(root, "inner_exception", None) or root.__cause__ or root.__context__
-        if not isinstance(cause, BaseException) or id(cause) in seen:
-            break
-        root = cause
+    while root.__context__ is not None and id(root.__context__) not in seen:
+        root = root.__context__
         seen.add(id(root))
     return _first_line(e) if root is e else f"{_first_line(e)} <- {_first_line(root)}"
 

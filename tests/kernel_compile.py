@@ -21,6 +21,7 @@ VARIANTS = [
     for kv, hd in [(4, 64), (8, 128)] for loc in ("i32", "i64")
 ]
 
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") not in (None, "", "0"):
         sys.exit("run with TRITON_INTERPRET unset: interpreted functions do not compile")

@@ -106,7 +106,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM on one tensor-parallel rank.
 
