@@ -30,7 +30,9 @@ def test_garbage_is_collected_before_the_heap_is_frozen(unfreeze_after):
     alive = _Node()
     frozen = freeze_startup_heap("test")
     assert dead() is None, "garbage in a cycle was frozen instead of collected"
-    assert frozen == gc.get_freeze_count() == frozen_objects() > 0
+    # a frozen object freed by reference counting (another thread's, say) leaves the permanent
+    # generation, and nothing joins it without another freeze: the live count can only fall
+    assert frozen == frozen_objects() >= gc.get_freeze_count() > 0
     assert not any(o is alive for o in gc.get_objects())  # frozen: no generation tracks it now
     assert freeze_startup_heap("test again") >= frozen
 
@@ -53,4 +55,4 @@ def test_watch_gc_times_each_collection_by_generation(unfreeze_after):
     assert registry.get_sample_value("graphfleet_gc_pause_seconds_sum", {"process": "test", "generation": "2"}) > 0
     frozen = freeze_startup_heap("test")  # the gauge reports the count this left, read when it froze
     assert registry.get_sample_value("graphfleet_gc_frozen_objects", {"process": "test"}) == frozen \
-        == gc.get_freeze_count() > 0
+        >= gc.get_freeze_count() > 0  # the live count falls as frozen objects die (see above)

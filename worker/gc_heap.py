@@ -18,7 +18,9 @@ once its fleet is up; never in a test process or a library caller's.
 The module's one piece of state is the count the process's last :func:`freeze_startup_heap` left
 frozen, which ``graphfleet_gc_frozen_objects`` reports: ``gc.get_freeze_count()`` walks every frozen
 object with the GIL held (16 ms for 520,000 objects on the 2-core CPU machine), which every scrape
-of every process paid, stalling its event loop or engine loop for that long.
+of every process paid, stalling its event loop or engine loop for that long. Frozen objects that
+die by reference counting leave the permanent generation, so the gauge may read a little above
+``gc.get_freeze_count()``: it is the count at the freeze.
 """
 
 from __future__ import annotations
