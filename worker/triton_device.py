@@ -1,7 +1,7 @@
 """A Triton kernel for a tensor's device: compiled on CUDA, Triton's interpreter on CPU.
 
 The CPU test suite runs our kernels on CPU tensors through the interpreter (slowly); the serving
-path never does. Shared by every launcher of ours (the RoPE store, the fused decode-layer kernels).
+path never does. Used by the RoPE + KV-write launcher (worker/attention/rope_store.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,3 @@ def _interpreted(kernel):
 
     return InterpretedFunction(kernel.fn)
 
-
-def dot_options(dtype: torch.dtype, device: torch.device) -> dict:
-    """The ``DOT_PRECISION`` / ``DOT_FP32`` constexprs of a kernel whose ``tl.dot`` runs on ``dtype``
-    inputs: exact float32 products for float32 inputs; in the interpreter, 16-bit operands widened to
-    float32 first (it multiplies 16-bit floats wrongly), the same values."""
-    cuda = device.type == "cuda"
-    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 or not cuda else "tf32", "DOT_FP32": not cuda}
