@@ -10,7 +10,7 @@ cached are given back before the capture grows the pool. Every later warm-up run
 (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never hold an activation
 peak beside the graphs; one that leaves anything allocated there raises :class:`WarmUpLeakError`,
 since a later replay would overwrite it. ``presize_pool``: the first capture begins by giving the
-pool one free block of its warm-up's transient peak (graphs/DESIGN.md, "How the pool grows").
+pool one free block of its warm-up's peak and a margin (graphs/DESIGN.md, "How the pool grows").
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class GraphBackend(ABC):
         """
         start = time.perf_counter()
         try:
-            # A first capture warms up outside the pool: its transient peak sizes the presized block.
-            with process.transient_peak(self.device, self.presize_pool and not self.shapes) as peak:
+            # A first capture warms up outside the pool: its peak sizes the presized block.
+            with process.body_peak(self.device, self.presize_pool and not self.shapes) as peak:
                 before = self._warm_up_measured(key, fn, phase)
             block = process.presize_bytes(self.pool, self.device, peak()) if peak() else 0
             artifact, segments, breaks = self._capture(process.after_free_block(fn, block, self.device))

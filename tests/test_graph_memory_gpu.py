@@ -11,7 +11,7 @@ import torch
 from deploy.config import load_config
 from graphs.backends import WarmUpLeakError, create_backend
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from graphs.process import graph_pool, pool_bytes, transient_peak
+from graphs.process import after_free_block, body_peak, capture_stream, graph_pool, pool_bytes
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -81,12 +81,13 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
     assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
 
 
-def test_the_transient_peak_is_what_the_body_held_at_once_above_what_it_left():
-    with transient_peak(CUDA) as peak:
+def test_the_body_peak_is_what_the_body_held_at_once_its_outputs_included():
+    before = torch.empty(4 << 20, dtype=torch.uint8, device=CUDA)  # held before the body: not counted
+    with body_peak(CUDA) as peak:
         kept = torch.empty(8 << 20, dtype=torch.uint8, device=CUDA)
         scratch = torch.empty(96 << 20, dtype=torch.uint8, device=CUDA)
         del scratch
-    assert peak() == 96 << 20 and kept.numel() == 8 << 20
+    assert peak() == 104 << 20 and kept.numel() == 8 << 20 and before.numel() == 4 << 20
 
 
 def _pool_segments(pool: tuple) -> list[int]:
@@ -94,11 +95,37 @@ def _pool_segments(pool: tuple) -> list[int]:
                    if tuple(s.get("segment_pool_id", ())) == tuple(pool)), reverse=True)
 
 
+def test_a_block_freed_inside_a_capture_serves_the_captures_later_requests():
+    """The presized layout's premise: the block after_free_block gives a fresh pool inside a capture
+    holds what the capture allocates after it (a large request, a mid-sized one that alone would get
+    a 20 MiB segment, and a kept output), so the pool is that one segment."""
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.randn(1 << 20, device=CUDA)
+    kept: list[torch.Tensor] = []
+
+    def body() -> None:
+        scratch = [torch.empty(40 << 20, dtype=torch.uint8, device=CUDA),
+                   torch.empty(4 << 20, dtype=torch.uint8, device=CUDA)]
+        kept.append(x * 2)  # 4 MiB: no request here is small enough for the small-block pool
+        del scratch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=capture_stream(CUDA)):
+        after_free_block(body, 64 << 20, CUDA)()
+    segments = _pool_segments(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kept[0], x * 2)
+    graph.reset()
+    print(f"pool segments after a 64 MiB block: {[n >> 20 for n in segments]} MiB")
+    assert segments == [64 << 20]
+
+
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(backend, checkpoint_dir):
     """graphs.pool_layout side by side on one model, each in a fresh pool (no graph holds it before the
     first capture: the block must be given inside that capture): the presized pool starts with one
-    segment of the first warm-up's transient peak, holds at most what the grown pool holds, every
+    segment of the first warm-up's peak and a margin, holds at most what the grown pool holds, every
     byte counts to a shape, and replays equal eager."""
     own, step = _prefill_step(checkpoint_dir, backend)
     held, segments = {}, {}
@@ -118,7 +145,7 @@ def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(
     print(f"{backend}: grown pool {held[False] / 2**20:.1f} MiB in segments {[n >> 20 for n in segments[False]]} MiB; "
           f"presized {held[True] / 2**20:.1f} MiB in {[n >> 20 for n in segments[True]]} MiB")
     assert held[True] <= held[False]
-    assert segments[True][0] >= segments[False][0]  # the presized block: the transient peak, not one request
+    assert segments[True][0] >= segments[False][0]  # the presized block: the warm-up's peak, not one request
 
 
 def test_a_warm_up_that_leaves_memory_in_the_pool_raises():
