@@ -118,7 +118,9 @@ def test_a_block_freed_inside_a_capture_serves_the_captures_later_requests():
     assert torch.equal(kept[0], x * 2)
     graph.reset()
     print(f"pool segments after a 64 MiB block: {[n >> 20 for n in segments]} MiB")
-    assert segments == [64 << 20]
+    # Requests of 1 MiB or less (the capture's own generator state, say) go to 2 MiB segments of the
+    # small-block pool, which a large block never serves; every large request lands in the block.
+    assert [n for n in segments if n > 2 << 20] == [64 << 20]
 
 
 @pytest.mark.parametrize("backend", ["breakable", "full"])
