@@ -10,7 +10,8 @@ cached are given back before the capture grows the pool. Every later warm-up run
 (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never hold an activation
 peak beside the graphs; one that leaves anything allocated there raises :class:`WarmUpLeakError`,
 since a later replay would overwrite it. ``presize_pool``: the first capture begins by giving the
-pool one free block of its warm-up's peak and a margin (graphs/DESIGN.md, "How the pool grows").
+pool one free block that a warm-up's requests, laid out as the capture lays them, fill
+(:mod:`graphs.layout`; graphs/DESIGN.md, "How the pool grows").
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs import process
+from graphs import layout, process
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.capture_failures import offending_call, root_cause, sync_is_error
 from graphs.piecewise import CompileClock, compile_clock
@@ -82,10 +83,9 @@ class GraphBackend(ABC):
         """
         start = time.perf_counter()
         try:
-            # A first capture warms up outside the pool: its peak sizes the presized block.
-            with process.body_peak(self.device, self.presize_pool and not self.shapes) as peak:
-                before = self._warm_up_measured(key, fn, phase)
-            block = process.presize_bytes(self.pool, self.device, peak()) if peak() else 0
+            presize = self.presize_pool and not self.shapes and self.device.type == "cuda"
+            before = self._warm_up_measured(key, fn, phase)
+            block = layout.block_for(self.pool, self.device, lambda: self._warm_up(fn, False, runs=1)) if presize else 0
             artifact, segments, breaks = self._capture(process.after_free_block(fn, block, self.device))
         except WarmUpLeakError:
             raise

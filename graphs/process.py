@@ -103,50 +103,14 @@ def largest_free_block(pool: tuple, device: torch.device | int | None = None) ->
                 for block in segment["blocks"] if block["state"] == "inactive"), default=0)
 
 
-#: Room the presized block leaves above the measured peak. Laid out in one block (best fit,
-#: coalescing on free), a capture's allocations need more than their live peak: 1.09x on
-#: tinyllama-1.1b and 1.07x on llama-3-8b at chunk 8192 (H200, capture-20261205T152137 / -153444),
-#: where the grown pool held 1.22x and 1.19x. A block too small is worse than none (after_free_block).
-PRESIZE_MARGIN = 1 / 8
-
-
-@contextlib.contextmanager
-def body_peak(device: torch.device, measure: bool = True):
-    """Measure the body's peak: yields a callable that, after the body, returns the most bytes the
-    device had allocated at once during it above what it had allocated when it began, what the body
-    still holds at the end included (0 when not ``measure`` or off CUDA). A capture of the same body
-    allocates all of that in the graph pool: its outputs as well as its scratch.
-
-    Hazard: measuring resets the device's peak statistics (``torch.cuda.max_memory_*``), which
-    are process-wide; nothing in graphfleet reads them across a capture (graphs/DESIGN.md).
-    """
-    peak = [0]
-    if not measure or device.type != "cuda":
-        yield lambda: peak[0]
-        return
-    start = torch.cuda.memory_allocated(device)  # the allocator's own count: no device sync needed
-    torch.cuda.reset_peak_memory_stats(device)
-    yield lambda: peak[0]
-    torch.cuda.synchronize(device)
-    peak[0] = torch.cuda.max_memory_allocated(device) - start
-
-
-def presize_bytes(pool: tuple, device: torch.device, peak: int) -> int:
+def presize_bytes(pool: tuple, device: torch.device, nbytes: int) -> int:
     """The bytes of the one free block to give the graph pool ``pool`` before a capture lays out in
-    it (:func:`after_free_block`): ``peak`` and :data:`PRESIZE_MARGIN` above it, rounded up to the
-    allocator's 2 MiB, unless the pool has a free block that large on the capture stream already
-    (then 0; 0 off CUDA too)."""
-    if device.type != "cuda" or peak <= 0:
+    it (:func:`after_free_block`): ``nbytes`` (:func:`graphs.layout.one_block_bytes` of the capture's
+    allocations), unless the pool has a free block that large on the capture stream already (then 0;
+    0 off CUDA too)."""
+    if device.type != "cuda" or nbytes <= 0:
         return 0
-    nbytes = block_bytes(peak)
     return 0 if largest_free_block(pool, device) >= nbytes else nbytes
-
-
-def block_bytes(peak: int) -> int:
-    """``peak`` and :data:`PRESIZE_MARGIN` above it, rounded up to the caching allocator's 2 MiB
-    (a segment of that size holds a block of it exactly)."""
-    granule = 2 << 20
-    return -(-(peak + int(peak * PRESIZE_MARGIN)) // granule) * granule
 
 
 def after_free_block(fn: Callable[[], None], nbytes: int, device: torch.device) -> Callable[[], None]:
@@ -161,8 +125,8 @@ def after_free_block(fn: Callable[[], None], nbytes: int, device: torch.device) 
 
     Hazard: too small a block costs more than no block. A request that no free part of it fits
     grows the pool by a segment of that request's own size, and the block's rest stays in the pool
-    beside it (measured at b5612ec on the H200, with the block sized to the warm-up's peak less
-    what the warm-up left allocated: 1.24x of no-graph against 1.01x grown on tinyllama-1.1b).
+    beside it (measured on the H200 and an H100, with blocks sized from the warm-up's peak:
+    graphs/DESIGN.md, "How the pool grows").
     """
     if nbytes <= 0:
         return fn

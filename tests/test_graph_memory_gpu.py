@@ -10,8 +10,9 @@ import torch
 
 from deploy.config import load_config
 from graphs.backends import WarmUpLeakError, create_backend
+from graphs.layout import GRANULE, one_block_bytes, recorded_allocations, replay
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from graphs.process import after_free_block, body_peak, capture_stream, graph_pool, pool_bytes
+from graphs.process import after_free_block, capture_stream, graph_pool, pool_bytes
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -81,13 +82,43 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
     assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
 
 
-def test_the_body_peak_is_what_the_body_held_at_once_its_outputs_included():
-    before = torch.empty(4 << 20, dtype=torch.uint8, device=CUDA)  # held before the body: not counted
-    with body_peak(CUDA) as peak:
-        kept = torch.empty(8 << 20, dtype=torch.uint8, device=CUDA)
-        scratch = torch.empty(96 << 20, dtype=torch.uint8, device=CUDA)
-        del scratch
-    assert peak() == 104 << 20 and kept.numel() == 8 << 20 and before.numel() == 4 << 20
+def _fragmenting_body(kept: list[torch.Tensor]):
+    """Four 12 MiB scratch buffers, the first and third freed, then a 24 MiB request that neither
+    12 MiB hole fits, and an 8 MiB output kept: a live peak of 56 MiB that one block holds only at 72."""
+    def body() -> None:
+        a, b, c, d = (torch.empty(12 << 20, dtype=torch.uint8, device=CUDA) for _ in range(4))
+        del a, c
+        wide = torch.empty(24 << 20, dtype=torch.uint8, device=CUDA)
+        kept.append(torch.ones(8 << 20, dtype=torch.uint8, device=CUDA))
+        del b, d, wide
+    return body
+
+
+def _capture_after_block(body, nbytes: int) -> list[int]:
+    pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=capture_stream(CUDA)):
+        after_free_block(body, nbytes, CUDA)()
+    segments = [n for n in _pool_segments(pool) if n > 2 << 20]  # the small pool's 2 MiB ones aside
+    graph.reset()
+    return segments
+
+
+def test_the_layouts_block_holds_a_real_capture_and_one_granule_less_does_not():
+    """graphs.layout against the caching allocator itself: a recorded run of a body sizes the block
+    (72 MiB, above the 56 MiB live peak), a capture after a block of that size lays out in it alone,
+    and a capture after a block one granule shorter grows the pool by a segment beside it."""
+    kept: list[torch.Tensor] = []
+    body = _fragmenting_body(kept)
+    with recorded_allocations(CUDA, capture_stream(CUDA)) as events, torch.cuda.stream(capture_stream(CUDA)):
+        body()
+    nbytes = one_block_bytes(events())
+    assert nbytes == 72 << 20 and replay(events(), nbytes - GRANULE) is None
+    exact, short = _capture_after_block(body, nbytes), _capture_after_block(body, nbytes - GRANULE)
+    print(f"pool segments: after a block of {nbytes >> 20} MiB {[n >> 20 for n in exact]} MiB; "
+          f"after one of {(nbytes - GRANULE) >> 20} MiB {[n >> 20 for n in short]} MiB")
+    assert exact == [nbytes]
+    assert len(short) == 2 and short[0] == nbytes - GRANULE
 
 
 def _pool_segments(pool: tuple) -> list[int]:
@@ -127,8 +158,8 @@ def test_a_block_freed_inside_a_capture_serves_the_captures_later_requests():
 def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(backend, checkpoint_dir):
     """graphs.pool_layout side by side on one model, each in a fresh pool (no graph holds it before the
     first capture: the block must be given inside that capture): the presized pool starts with one
-    segment of the first warm-up's peak and a margin, holds at most what the grown pool holds, every
-    byte counts to a shape, and replays equal eager."""
+    segment that a warm-up's requests, laid out by graphs.layout, fill; it holds at most what the
+    grown pool holds, every byte counts to a shape, and replays equal eager."""
     own, step = _prefill_step(checkpoint_dir, backend)
     held, segments = {}, {}
     for presize in (False, True):
@@ -147,7 +178,6 @@ def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(
     print(f"{backend}: grown pool {held[False] / 2**20:.1f} MiB in segments {[n >> 20 for n in segments[False]]} MiB; "
           f"presized {held[True] / 2**20:.1f} MiB in {[n >> 20 for n in segments[True]]} MiB")
     assert held[True] <= held[False]
-    assert segments[True][0] >= segments[False][0]  # the presized block: the warm-up's peak, not one request
 
 
 def test_a_warm_up_that_leaves_memory_in_the_pool_raises():

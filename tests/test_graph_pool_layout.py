@@ -10,7 +10,8 @@ import torch
 from configkit import ConfigError
 from graphs.backends import create_backend
 from graphs.config import GraphsConfig
-from graphs.process import PRESIZE_MARGIN, after_free_block, block_bytes, body_peak, presize_bytes
+from graphs.layout import one_block_bytes
+from graphs.process import after_free_block, presize_bytes
 
 
 def test_pool_layout_accepts_grown_and_presized_and_names_anything_else():
@@ -20,11 +21,9 @@ def test_pool_layout_accepts_grown_and_presized_and_names_anything_else():
         GraphsConfig.from_dict({"pool_layout": "expandable"})
 
 
-def test_off_cuda_the_peak_is_zero_no_block_is_asked_for_and_a_debug_capture_goes_through():
+def test_off_cuda_no_block_is_asked_for_and_a_debug_capture_goes_through():
     cpu = torch.device("cpu")
-    with body_peak(cpu) as peak:
-        x = torch.ones(1 << 20)
-    assert peak() == 0 and x.sum().item() == 1 << 20
+    assert one_block_bytes([]) == 0
     assert presize_bytes((0, 1), cpu, 1 << 30) == 0
     calls = []
     assert after_free_block(calls.clear, 0, cpu) == calls.clear  # no block: the capture runs fn itself
@@ -35,15 +34,6 @@ def test_off_cuda_the_peak_is_zero_no_block_is_asked_for_and_a_debug_capture_goe
     backend.capture(1, lambda: out.add_(1), phase="decode")
     backend.replay(1)
     assert backend.presize_pool and out.tolist() == [1.0, 1.0]
-
-
-def test_the_block_is_the_peak_with_its_margin_in_whole_two_mib_granules():
-    mib = 1 << 20
-    assert PRESIZE_MARGIN == 1 / 8
-    assert block_bytes(16 * mib) == 18 * mib  # 16 + 2: exactly two granules more
-    assert block_bytes(16 * mib + 1) == 20 * mib  # a byte past it takes the next granule
-    assert block_bytes(360 * mib) == 406 * mib  # 405 rounded up: tinyllama's live peak at chunk 8192
-    assert block_bytes(1) == 2 * mib
 
 
 @pytest.mark.parametrize("layout", ["grown", "presized"])
