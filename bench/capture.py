@@ -119,8 +119,8 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
     instead of two saves). ``pool_layout``: ``graphs.pool_layout`` of the graph backends (``presized``:
-    the first capture gives the pool one block of its warm-up's peak and a margin; the peak statistics
-    this reads are reset after capture, so the measurement resetting them changes nothing here)."""
+    the first capture gives the pool one block sized by replaying a warm-up's requests: graphs.layout;
+    with ``--explain`` that sizing reads the history this records and leaves it on)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -258,6 +258,9 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
             "shapes": len(runner.ladder) if runner else 0,
             "above_baseline_bytes": peak, "live_peak_bytes": live_peak,
+            "pool_growth_by_shape": {f"{phase}:{key}": shape.resident_bytes
+                                     for phase, r in (("prefill", runner), ("decode", decode_runner)) if r
+                                     for key, shape in r.backend.shapes.items() if shape.resident_bytes},
             "held_bytes": held, "pool_bytes": in_pool,
             "served": served, "served_modes": served_modes, "served_peak_bytes": served_peak,
             "served_held_bytes": served_held}
@@ -298,8 +301,8 @@ def main() -> None:
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
     ap.add_argument("--pool-layout", default="grown",
                     help="comma-separated, each graph row once per value of graphs.pool_layout: grown (the "
-                         "allocator's segments) or presized (the first capture gives the pool one block of its "
-                         "warm-up's peak and a margin); eager rows unchanged; e.g. grown,presized")
+                         "allocator's segments) or presized (the first capture gives the pool one block sized by "
+                         "replaying a warm-up's requests); eager rows unchanged; e.g. grown,presized")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
@@ -386,6 +389,8 @@ def main() -> None:
 
             for line in summary_lines(r["allocator"]):
                 print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {line}")
+            growth = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r.get("pool_growth_by_shape", {}).items())
+            print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} pool growth by shape (MiB): {growth}")
         for where, key in (("outside the pool", "outside_sites"), ("live in the pool", "pool_live_sites")):
             for site in r.get(key) or []:
                 print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {where} "

@@ -127,8 +127,9 @@ class GraphsConfig(Section):
         graphs; false runs every warm-up outside the pool (graphs.backends).
     pool_layout: ``grown``: the graph pool grows as the caching allocator grows any pool (a new
         segment, rounded up, whenever no free block fits); ``presized``: each backend's first
-        capture measures its warm-up's peak and gives the pool one free block that size and a margin
-        as it begins, so the captures lay out in it (graphs.process.after_free_block).
+        capture gives the pool one free block that a warm-up's requests, laid out as the caching
+        allocator lays them out, fill, so the captures lay out in it (graphs.layout). Measured
+        above grown on both presets so far (graphs/DESIGN.md, "How the pool grows")
     """
 
     enabled: bool = True

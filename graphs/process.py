@@ -118,8 +118,8 @@ def after_free_block(fn: Callable[[], None], nbytes: int, device: torch.device) 
     ``nbytes`` is 0). Called inside a capture, that leaves the graph pool one free block of
     ``nbytes`` (a segment of its own) on the capture stream, and the capture's own allocations lay
     out inside it (best fit, coalescing on free) instead of growing the pool by a new segment per
-    request no free block fits, each rounded up: the pool then holds about the forward's live peak
-    rather than the allocator's reserved peak (graphs/DESIGN.md, "How the pool grows"). Inside the
+    request no free block fits, each rounded up: the pool then holds what one block needs for the
+    capture's requests (:mod:`graphs.layout`; graphs/DESIGN.md, "How the pool grows"). Inside the
     capture, not before it: a pool no live graph holds yet would be released with its free block,
     and could not be captured into again.
 

@@ -41,10 +41,12 @@ def test_best_fit_takes_the_smallest_free_range_that_fits_not_the_first():
 
 
 def test_a_remainder_of_at_most_one_mib_is_not_split_off():
-    # 4 MiB free, a request of 3.25 MiB: 0.75 MiB would remain, so the request takes all 4, and the
-    # next 0.5 MiB... is small (its own pool); a 2 MiB request after it goes to the tail.
-    events = [_alloc(1, 4), _alloc(2, 2), _free(1), _alloc(3, 3.25), _alloc(4, 2), _free(3), _alloc(5, 4)]
-    assert replay(events, 1 << 40) == 8 * MIB  # 5 reuses all 4 MiB that 3 held, not 3.25 of it
+    # 7.5 MiB in an 8 MiB block leaves 0.5 MiB: the request takes the whole block. In a 10 MiB block
+    # 2.5 MiB would remain, so the block splits and the request ends at 7.5.
+    assert replay([_alloc(1, 7.5)], 8 * MIB) == 8 * MIB
+    assert replay([_alloc(1, 7.5)], 10 * MIB) == 7.5 * MIB
+    # The split-off 2.5 serves a 2 MiB request whole (0.5 would remain): the block is full.
+    assert replay([_alloc(1, 7.5), _alloc(2, 2)], 10 * MIB) == 10 * MIB
 
 
 def test_the_block_is_more_than_the_live_peak_when_best_fit_fragments_it():
