@@ -119,7 +119,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
     instead of two saves). ``pool_layout``: ``graphs.pool_layout`` of the graph backends (``presized``:
-    the first capture gives the pool one block sized by replaying a warm-up's requests: graphs.layout;
+    the first capture gives the pool one block sized by replaying a trial capture's requests: graphs.layout;
     with ``--explain`` that sizing reads the history this records and leaves it on)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
@@ -302,7 +302,7 @@ def main() -> None:
     ap.add_argument("--pool-layout", default="grown",
                     help="comma-separated, each graph row once per value of graphs.pool_layout: grown (the "
                          "allocator's segments) or presized (the first capture gives the pool one block sized by "
-                         "replaying a warm-up's requests); eager rows unchanged; e.g. grown,presized")
+                         "replaying a trial capture's requests); eager rows unchanged; e.g. grown,presized")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))

@@ -10,13 +10,13 @@ cached are given back before the capture grows the pool. Every later warm-up run
 (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never hold an activation
 peak beside the graphs; one that leaves anything allocated there raises :class:`WarmUpLeakError`,
 since a later replay would overwrite it. ``presize_pool``: the first capture begins by giving the
-pool one free block that a warm-up's requests, laid out as the capture lays them, fill
-(:mod:`graphs.layout`; graphs/DESIGN.md, "How the pool grows").
+pool one free block that its requests fill (:mod:`graphs.layout`; graphs/DESIGN.md, "How the pool grows").
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
@@ -83,9 +83,10 @@ class GraphBackend(ABC):
         """
         start = time.perf_counter()
         try:
-            presize = self.presize_pool and not self.shapes and self.device.type == "cuda"
             before = self._warm_up_measured(key, fn, phase)
-            block = layout.block_for(self.pool, self.device, lambda: self._warm_up(fn, False, runs=1)) if presize else 0
+            block = 0
+            if self.presize_pool and not self.shapes and self.device.type == "cuda":
+                block = layout.block_for(self.pool, self.device, functools.partial(self._capture_into, fn=fn))
             artifact, segments, breaks = self._capture(process.after_free_block(fn, block, self.device))
         except WarmUpLeakError:
             raise
@@ -95,7 +96,7 @@ class GraphBackend(ABC):
             root = root_cause(e)
             raise CaptureError(f"capturing {phase} shape {key} with the {self.name} backend failed at "
                                f"{offending_call(root)}: {type(root).__name__}: {root}") from e
-        shape = CapturedShape(key, self.name, time.perf_counter() - start, self._reserved() - before,
+        shape = CapturedShape(key, self.name, time.perf_counter() - start, self._usage()[0] - before,
                               segments, breaks, artifact=artifact)
         self.shapes[key] = shape
         return shape
@@ -121,10 +122,6 @@ class GraphBackend(ABC):
     def resident_bytes(self) -> int:
         return sum(s.resident_bytes for s in self.shapes.values())
 
-    def _reserved(self) -> int:
-        """Bytes held by this backend's pool (its growth around a capture is the shape's cost)."""
-        return self._usage()[0]
-
     def _usage(self) -> tuple[int, int]:
         """(reserved, allocated) bytes of this backend's pool, after the device is idle."""
         if self.device.type != "cuda":
@@ -140,17 +137,17 @@ class GraphBackend(ABC):
         if not (self.warm_up_in_pool and self.shapes):
             self._warm_up(fn, in_pool=False)
             release_warm_up_memory(self.device)  # before the capture grows the pool beside it
-            return self._reserved()
+            return self._usage()[0]
         reserved, allocated = self._usage()
         self._warm_up(fn, in_pool=True)
         release_warm_up_memory(self.device)  # frees deferred by stream events are settled
         left = self._usage()[1] - allocated
         if left > 0:
             raise WarmUpLeakError(
-                f"the warm-up of {phase} shape {key} ({self.name} backend) left {left} bytes allocated in the "
-                "graph pool, on blocks that captured graphs use as scratch: something in the forward creates "
-                "a buffer on a later run that its first run did not. Set graphs.warm_up_in_pool: false "
-                "(warm-ups then run outside the pool, holding their own activation peak while graphs capture)")
+                f"the warm-up of {phase} shape {key} ({self.name} backend) left {left} bytes allocated in the graph "
+                "pool, on blocks that captured graphs use as scratch: something in the forward creates a buffer on a "
+                "later run that its first run did not. Set graphs.warm_up_in_pool: false (warm-ups then run outside "
+                "the pool, holding their own activation peak while graphs capture)")
         return reserved
 
     def _warm_up(self, fn: Callable[[], None], in_pool: bool, runs: int | None = None) -> None:
@@ -164,6 +161,14 @@ class GraphBackend(ABC):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+
+    def _capture_into(self, pool: tuple, fn: Callable[[], None]) -> Callable[[], None]:
+        """Capture ``fn`` into ``pool`` rather than this backend's own; returns what releases it."""
+        own, self._pool = self._pool, pool
+        try:
+            return functools.partial(self._release, self._capture(fn)[0])
+        finally:
+            self._pool = own
 
     @abstractmethod
     def _capture(self, fn: Callable[[], None]) -> tuple[object, int, int]:
@@ -256,14 +261,9 @@ class _CompileTimed(GraphBackend):
     """
 
     name = "tc_piecewise"
-
-    def __init__(self, device: torch.device, warmup: int = 2,
-                 barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True, presize_pool: bool = False) -> None:
-        super().__init__(device, warmup, barrier, pool, warm_up_in_pool, presize_pool)
-        self.compile_seconds = 0.0
-        self.capture_seconds = 0.0
-        self.compiles = 0
+    compile_seconds = 0.0  # class defaults: the first capture's += gives each instance its own
+    capture_seconds = 0.0
+    compiles = 0
 
     def capture(self, key: Hashable, fn: Callable[[], None], phase: str = "") -> CapturedShape:
         start = time.perf_counter()
@@ -313,9 +313,8 @@ class TcFullBackend(_CompileTimed, FullGraphBackend):
     name = "tc_full"
 
     def _warm_up_measured(self, key: Hashable, fn: Callable[[], None], phase: str) -> int:
-        # A shape may compile on its first run (the first shape; batch 1, which dynamo specializes),
-        # and a compile's allocations must not land in the pool where later warm-ups run: one run
-        # outside it first, its blocks given back before the measured warm-up.
+        # A shape may compile on its first run (the first shape; batch 1, which dynamo specializes), and a
+        # compile's allocations must not land in the pool where later warm-ups run: one run outside it first.
         if self.device.type == "cuda" and self.warm_up_in_pool and self.shapes:
             self._warm_up(fn, in_pool=False, runs=1)
             release_warm_up_memory(self.device)

@@ -127,7 +127,7 @@ class GraphsConfig(Section):
         graphs; false runs every warm-up outside the pool (graphs.backends).
     pool_layout: ``grown``: the graph pool grows as the caching allocator grows any pool (a new
         segment, rounded up, whenever no free block fits); ``presized``: each backend's first
-        capture gives the pool one free block that a warm-up's requests, laid out as the caching
+        capture gives the pool one free block that a trial capture's requests, laid out as the caching
         allocator lays them out, fill, so the captures lay out in it (graphs.layout). Measured
         above grown on both presets so far (graphs/DESIGN.md, "How the pool grows")
     """

@@ -1,11 +1,11 @@
 """The one-block layout: how large a single free block must be for a recorded allocation sequence to
 lay out inside it, placed as the CUDA caching allocator places requests in a block it already has.
 
-``graphs.pool_layout: presized`` gives the graph pool one free block before a backend's first capture
-(graphs/DESIGN.md, "How the pool grows"). A capture replays the allocation sequence its warm-up made,
-so that block is sized by replaying a warm-up's sequence here, not by its peak: a live peak is a lower
-bound that best fit rarely reaches, and a block too short is worse than none (a request that no free
-part fits grows the pool by a segment of its own beside the block).
+``graphs.pool_layout: presized`` gives the graph pool one free block as a backend's first capture begins
+(graphs/DESIGN.md, "How the pool grows"). A capture makes the same requests each time it is recorded, so
+the block is sized by replaying the requests of a trial capture here, not by a peak: a live peak is a
+lower bound that best fit rarely reaches, and a block too short is worse than none (a request that no
+free part fits grows the pool by a segment of its own beside the block).
 
 The rules replayed (PyTorch's ``CUDACachingAllocator``, large pool, one stream): a request is rounded up
 to 512 bytes; it takes the smallest free block that fits (the lowest address among equals); the block
@@ -145,13 +145,19 @@ def recorded_allocations(device: torch.device, stream: torch.cuda.Stream):
             torch.cuda.memory._record_memory_history(None)
 
 
-def block_for(pool: tuple, device: torch.device, warm_up_once: Callable[[], None]) -> int:
+def block_for(pool: tuple, device: torch.device, capture_into: Callable[[tuple], Callable[[], None]]) -> int:
     """The free block a backend's first capture begins by giving ``pool``
-    (:func:`graphs.process.after_free_block`): ``warm_up_once`` runs the forward once more on the
-    capture stream outside the pool (after the first warm-up runs made their lazy allocations), and
-    its requests, laid out as the capture will lay them, size the block. 0 when the pool already has
-    a free block that large."""
+    (:func:`graphs.process.after_free_block`). ``capture_into(trial)`` captures the shape once into a
+    fresh pool of its own and returns what releases that capture; the requests that trial capture
+    made in its pool, laid out in one block as the real capture will lay them out, size the block.
+    Its own capture, not an eager run: whatever the capture keeps (or frees later) the eager forward
+    need not. The trial pool is given back before the real capture. 0 when ``pool`` already has a
+    free block that large."""
+    trial = torch.cuda.graph_pool_handle()
     with recorded_allocations(device, process.capture_stream(device)) as events:
-        warm_up_once()
+        release = capture_into(trial)
+        ranges = process.segment_ranges(trial, device)
+    release()
     process.release_warm_up_memory(device)
-    return process.presize_bytes(pool, device, one_block_bytes(events()))
+    inside = [e for e in events() if any(start <= e[1] < end for start, end in ranges)]
+    return process.presize_bytes(pool, device, one_block_bytes(inside))

@@ -94,6 +94,11 @@ def allocations_in_pool(pool: tuple, device: torch.device | int | None = None):
         torch._C._cuda_releasePool(idx, pool)
 
 
+def segment_ranges(pool: tuple, device: torch.device | int | None = None) -> list[tuple[int, int]]:
+    """(start, end) addresses of the segments ``pool`` holds now."""
+    return [(s["address"], s["address"] + s["total_size"]) for s in _segments(pool, _index(device))]
+
+
 def largest_free_block(pool: tuple, device: torch.device | int | None = None) -> int:
     """Bytes of the largest free block the graph pool ``pool`` holds for the capture stream (the only
     stream that allocates from it: the allocator serves a request from a block of its own stream)."""

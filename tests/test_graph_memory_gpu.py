@@ -154,11 +154,35 @@ def test_a_block_freed_inside_a_capture_serves_the_captures_later_requests():
     assert [n for n in segments if n > 2 << 20] == [64 << 20]
 
 
+def test_a_presized_first_capture_holds_in_its_block_what_only_the_capture_keeps():
+    """The block is sized from a trial capture, not from an eager run: a forward that keeps a 24 MiB
+    tensor only while capturing (eager warm-ups keep nothing) still lays out in the one block, and
+    the trial's own pool is given back."""
+    kept: list[torch.Tensor] = []
+    fragmenting = _fragmenting_body(kept)
+
+    def body() -> None:
+        fragmenting()
+        if torch.cuda.is_current_stream_capturing():
+            kept.append(torch.empty(24 << 20, dtype=torch.uint8, device=CUDA))
+
+    pool = torch.cuda.graph_pool_handle()
+    backend = create_backend("full", CUDA, pool=pool, presize_pool=True)
+    reserved = _settle()
+    shape = backend.capture(1, body, phase="test")
+    segments = [n for n in _pool_segments(pool) if n > 2 << 20]
+    print(f"presized pool after a capture that keeps 24 MiB more than its warm-ups: {[n >> 20 for n in segments]} MiB")
+    assert len(segments) == 1 and shape.resident_bytes >= segments[0]
+    kept.clear()
+    backend.release()
+    assert _settle() <= reserved  # nothing of the trial capture, nor of the real one, is left
+
+
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(backend, checkpoint_dir):
     """graphs.pool_layout side by side on one model, each in a fresh pool (no graph holds it before the
     first capture: the block must be given inside that capture): the presized pool starts with one
-    segment that a warm-up's requests, laid out by graphs.layout, fill; it holds at most what the
+    segment that a trial capture's requests, laid out by graphs.layout, fill; it holds at most what the
     grown pool holds, every byte counts to a shape, and replays equal eager."""
     own, step = _prefill_step(checkpoint_dir, backend)
     held, segments = {}, {}
