@@ -30,9 +30,11 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-#: The small pool's segments: requests of at most 1 MiB share 2 MiB segments and never use a large one.
+from graphs.layout import SMALL_REQUEST
+
+#: The small pool's segments: requests of at most 1 MiB (graphs.layout.SMALL_REQUEST) share 2 MiB
+#: segments and never use a large one.
 SMALL_SEGMENT = 2 * 2**20
-SMALL_REQUEST = 2**20
 
 
 @dataclass

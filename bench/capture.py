@@ -83,11 +83,6 @@ def pool_sites(pool: tuple | None, inside: bool, top: int = 8) -> list[tuple[str
     return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
 
 
-def outside_pool_sites(pool: tuple | None, top: int = 8) -> list[tuple[str, int]]:
-    """Live allocations outside ``pool`` (bytes), grouped by allocation site, largest first."""
-    return pool_sites(pool, False, top)
-
-
 def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list[int]]:
     """``n`` prefill steps of a serving history: each a list of request lengths (1-16 requests, each
     at most ``max_len`` tokens) whose total is random in [1, ``chunk``]."""
@@ -240,7 +235,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
         torch.cuda.synchronize()
         served_peak = torch.cuda.max_memory_reserved() - base
         served_held = torch.cuda.memory_reserved() - base
-    sites = [{"site": k, "MiB": v / 2**20} for k, v in outside_pool_sites(pool)] if explain else None
+    sites = [{"site": k, "MiB": v / 2**20} for k, v in pool_sites(pool, False)] if explain else None
     pool_live = [{"site": k, "MiB": v / 2**20} for k, v in pool_sites(pool, True)] if explain else None
     allocator = None
     if explain:
