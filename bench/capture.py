@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -83,6 +84,13 @@ def pool_sites(pool: tuple | None, inside: bool, top: int = 8) -> list[tuple[str
     return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
 
 
+def _chosen(runner) -> int | None:
+    """The split limit the runner's first capture ran under (graphs.layout), None for the default."""
+    from graphs.layout import chosen_limit
+
+    return chosen_limit(runner.backend.split_trials) if runner is not None else None
+
+
 def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list[int]]:
     """``n`` prefill steps of a serving history: each a list of request lengths (1-16 requests, each
     at most ``max_len`` tokens) whose total is random in [1, ``chunk``]."""
@@ -113,9 +121,9 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     the LM head's logits, as the worker builds them), or the stream of an eager LM head after a
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
-    instead of two saves). ``pool_layout``: ``graphs.pool_layout`` of the graph backends (``presized``:
-    the first capture gives the pool one block sized by replaying a trial capture's requests: graphs.layout;
-    with ``--explain`` that sizing reads the history this records and leaves it on)."""
+    instead of two saves). ``pool_layout``: ``graphs.pool_layout`` of the graph backends (``tuned``:
+    each backend's first capture runs under the allocator split limit its trial captures laid out
+    tightest: graphs.layout; with ``--explain`` the trials read the history this records and leave it on)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -145,17 +153,17 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
-    presize = pool_layout == "presized"
+    tune = pool_layout == "tuned"
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
                                           create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         presize_pool=presize),
+                                                         tune_split=tune),
                                           default_decode_ladder(decode_batch), True)
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
             ModelPrefillStep(model, attention, breakable=backend == "breakable")
         runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         presize_pool=presize),
+                                                         tune_split=tune),
                                     default_prefill_ladder(ceiling),
                                     max(1, chunk // 512), 2.0, None, torch.bfloat16, logits=lm_head == "graph",
                                     logits_out=decode_runner.buffers.logits
@@ -248,6 +256,9 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
             "allocator": allocator, "pool_layout": pool_layout,
+            "split_trials_MiB": {("default" if k is None else str(k)): v / 2**20
+                                 for k, v in runner.backend.split_trials.items()} if runner else None,
+            "split_limit_mb": _chosen(runner),
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -296,8 +307,11 @@ def main() -> None:
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
     ap.add_argument("--pool-layout", default="grown",
                     help="comma-separated, each graph row once per value of graphs.pool_layout: grown (the "
-                         "allocator's segments) or presized (the first capture gives the pool one block sized by "
-                         "replaying a trial capture's requests); eager rows unchanged; e.g. grown,presized")
+                         "allocator's segments) or tuned (the first capture under the allocator split limit "
+                         "its trial captures laid out tightest); eager rows unchanged; e.g. grown,tuned")
+    ap.add_argument("--eager-split-mb", default="",
+                    help="comma-separated max_split_size_mb values: each adds the none:none:- row run with the whole "
+                         "process under that allocator split limit (what eager serving gets from the same knob)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
@@ -322,24 +336,35 @@ def main() -> None:
         except ValueError as e:
             ap.error(str(e))
     layouts = args.pool_layout.split(",")
-    if any(m not in ("grown", "presized") for m in layouts):
-        ap.error(f"--pool-layout: each value must be grown or presized, got {args.pool_layout!r}")
+    if any(m not in ("grown", "tuned") for m in layouts):
+        ap.error(f"--pool-layout: each value must be grown or tuned, got {args.pool_layout!r}")
+    try:
+        eager_splits = [int(v) for v in args.eager_split_mb.split(",") if v]
+    except ValueError:
+        ap.error(f"--eager-split-mb: comma-separated whole MiB, got {args.eager_split_mb!r}")
+    if any(v <= 20 for v in eager_splits):
+        ap.error(f"--eager-split-mb: the allocator takes values above 20, got {args.eager_split_mb!r}")
+    runs = [(*r, m, {}) for r in runs for m in (layouts if r[1] != "none" or r[3] == "graphs" else ["grown"])] + \
+        [("none", "none", "-", "-", "compute", f"max_split:{v}", {"PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:{v}"})
+         for v in eager_splits]
     rows = []
-    for backend, ceiling, warm_up, decode, lm_head, layout in [
-            (*r, m) for r in runs for m in (layouts if r[1] != "none" or r[3] == "graphs" else ["grown"])]:
+    for backend, ceiling, warm_up, decode, lm_head, layout, env in runs:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
                f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served),
-               "--pool-layout", layout] + \
+               "--pool-layout", layout if layout in layouts else "grown"] + \
             (["--explain"] if args.explain else [])
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
+                             env={**os.environ, **env})
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
-        rows.append(json.loads(lines[-1]) if lines else {"backend": backend, "ceiling": ceiling, "warm_up": warm_up,
-                                                           "decode": decode, "lm_head": lm_head,
-                                                           "pool_layout": layout, "error": res.stderr[-2000:]})
+        rows.append({**json.loads(lines[-1]), "pool_layout": layout} if lines else
+                    {"backend": backend, "ceiling": ceiling, "warm_up": warm_up, "decode": decode, "lm_head": lm_head,
+                     "pool_layout": layout, "error": res.stderr[-2000:]})
+
     def base_of(decode: str) -> int | None:
         return next((r.get("above_baseline_bytes") for r in rows
-                     if r.get("backend") == "none" and r.get("decode") == decode and r["lm_head"] == "compute"), None)
+                     if r.get("backend") == "none" and r.get("decode") == decode and r["lm_head"] == "compute"
+                     and r.get("pool_layout") == "grown"), None)
 
     baseline = base_of("-")
     for r in rows:
@@ -360,7 +385,7 @@ def main() -> None:
             r["vs_all_eager"] = r["above_baseline_bytes"] / eager if eager else None
             if r.get("served_peak_bytes") is not None:
                 served_base = next((x.get("served_peak_bytes") for x in rows if x.get("backend") == "none"
-                                    and x.get("decode") == r["decode"]), None)
+                                    and x.get("decode") == r["decode"] and x.get("pool_layout") == "grown"), None)
                 r["served_peak_GiB"] = r["served_peak_bytes"] / 2**30
                 r["served_held_GiB"] = r["served_held_bytes"] / 2**30
                 r["served_vs_no_graph"] = r["served_peak_bytes"] / served_base if served_base else None
@@ -372,7 +397,12 @@ def main() -> None:
           "the caching allocator's slack: what a tighter layout could give back)")
     print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "pool_layout", "mode", "shapes",
                        "failed", "build_s", "compile_s", "capture_s", "peak_GiB", "live_peak_GiB", "held_GiB",
-                       "pool_GiB", "outside_GiB", "vs_no_graph", "held_vs_no_graph", "vs_same_decode", "vs_all_eager"])
+                       "pool_GiB", "outside_GiB", "vs_no_graph", "held_vs_no_graph", "vs_same_decode", "vs_all_eager",
+                       "split_limit_mb"])
+    for r in rows:
+        if r.get("split_trials_MiB"):
+            print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} tuned: trial pools by split limit "
+                  f"(MiB) {r['split_trials_MiB']}, chosen {r['split_limit_mb'] or 'default'}")
     if args.served:
         print(f"after {args.served} more prefills of a serving history: served_vs_no_graph is the served peak "
               "over the no-prefill-graph row's of the same decode mode")

@@ -10,7 +10,7 @@ from configkit import ConfigError, Section, check, check_ladder, check_min, pars
 DecodeBackend = Literal["full", "breakable", "tc_full", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
 CaptureMode = Literal["both", "decode", "prefill", "none"]
-PoolLayout = Literal["grown", "presized"]
+PoolLayout = Literal["grown", "tuned"]
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,10 @@ class GraphsConfig(Section):
         on the blocks captured graphs leave free, so capture holds no activation peak beside the
         graphs; false runs every warm-up outside the pool (graphs.backends).
     pool_layout: ``grown``: the graph pool grows as the caching allocator grows any pool (a new
-        segment, rounded up, whenever no free block fits); ``presized``: each backend's first
-        capture gives the pool one free block that a trial capture's requests, laid out as the caching
-        allocator lays them out, fill, so the captures lay out in it (graphs.layout). Measured
-        above grown on both presets so far (graphs/DESIGN.md, "How the pool grows")
+        segment, rounded up, whenever no free block fits); ``tuned``: each backend's first capture
+        runs under the allocator's split limit (``max_split_size_mb``) that trial captures of that
+        shape laid out in the fewest bytes, the default among them (graphs.layout; graphs/DESIGN.md,
+        "How the pool grows"). An operator's own max_split_size_mb is left alone
     """
 
     enabled: bool = True

@@ -1,115 +1,92 @@
-"""The one-block layout: how large a single free block must be for a recorded allocation sequence to
-lay out inside it, placed as the CUDA caching allocator places requests in a block it already has.
+"""The first capture's split limit: how the caching allocator lays a captured forward out in the pool.
 
-``graphs.pool_layout: presized`` gives the graph pool one free block as a backend's first capture begins
-(graphs/DESIGN.md, "How the pool grows"). A capture makes the same requests each time it is recorded, so
-the block is sized by replaying the requests of a trial capture here, not by a peak: a live peak is a
-lower bound that best fit rarely reaches, and a block too short is worse than none (a request that no
-free part fits grows the pool by a segment of its own beside the block).
+``graphs.pool_layout: tuned`` (graphs/DESIGN.md, "How the pool grows"). The CUDA caching allocator
+serves a request from the smallest free block that fits and splits it, so a large activation freed
+by one layer is carved up by the smaller tensors of the next, and the next large request finds no
+run long enough and grows the pool by a segment of its own. Its ``max_split_size_mb`` option stops
+that: blocks of at least that many MiB are never split, requests below it never take one, and a
+request at or above it takes such a block only when it fits within 20 MiB. Which limit lays a
+forward out tightest depends on its tensors' sizes and lifetimes; eager serving must pick one limit
+for every shape it will ever run, but a captured shape makes the same requests every time it is
+recorded. So a backend's first capture is recorded once per candidate limit into a trial pool of its
+own, each trial pool's bytes are read and given back, and the real capture runs under the limit that
+held fewest (the allocator's default when none holds fewer). The process's own allocator settings
+are back in force for every other allocation before and after.
 
-The rules replayed (PyTorch's ``CUDACachingAllocator``, large pool, one stream): a request is rounded up
-to 512 bytes; it takes the smallest free block that fits (the lowest address among equals); the block
-is split, the request at its front, when more than 1 MiB would remain (else the request takes the
-whole block); a freed block merges with free neighbours. Requests of at most 1 MiB live in the small
-pool's own 2 MiB segments and never in the block, so they are left out.
+Hazard: ``max_split_size_mb`` is process-wide while a limited capture runs; an allocation another
+thread makes in that window (a step beside a live re-plan's capture) follows the limit too. It
+changes where blocks go, never what a tensor holds.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 
 from graphs import process
 
-#: The caching allocator's request rounding, its small-request limit and its large segments' granule.
-ROUND_BYTES = 512
+log = logging.getLogger(__name__)
+
+#: Requests of at most this many bytes live in the small pool's own 2 MiB segments.
 SMALL_REQUEST = 1 << 20
-GRANULE = 2 << 20
-#: How many granules above the unbounded replay's high-water mark a block is tried at before giving up.
-MAX_EXTRA_GRANULES = 64
+MIB = 1 << 20
+#: The allocator refuses a ``max_split_size_mb`` at or below its 20 MiB large-buffer size.
+MIN_SPLIT_MB = 21
+#: The settings variables the allocator reads at start (the first set one wins).
+SETTINGS_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 Event = tuple[str, int, int]  # ("alloc" | "free", address, bytes)
 
 
-def rounded(nbytes: int) -> int:
-    """``nbytes`` as the caching allocator rounds a request."""
-    return max(ROUND_BYTES, -(-nbytes // ROUND_BYTES) * ROUND_BYTES)
+def process_settings() -> str:
+    """The allocator settings this process started with (its settings variable, or empty)."""
+    return next((os.environ[v] for v in SETTINGS_VARIABLES if os.environ.get(v)), "")
 
 
-class _Block:
-    """Free and allocated ranges of one block of ``size`` bytes (offsets from its start)."""
-
-    def __init__(self, size: int) -> None:
-        self.free = {0: size}  # offset -> bytes
-        self.free_ending = {size: 0}  # end offset -> offset of the free range ending there
-        self.taken: dict[int, int] = {}
-        self.high_water = 0
-
-    def allocate(self, nbytes: int) -> int | None:
-        fits = [(size, offset) for offset, size in self.free.items() if size >= nbytes]
-        if not fits:
-            return None
-        size, offset = min(fits)
-        self._unfree(offset)
-        if size - nbytes > SMALL_REQUEST:
-            self._refree(offset + nbytes, size - nbytes)
-            size = nbytes
-        self.taken[offset] = size
-        self.high_water = max(self.high_water, offset + size)
-        return offset
-
-    def release(self, offset: int) -> None:
-        size = self.taken.pop(offset)
-        after = self.free.get(offset + size)
-        if after is not None:
-            self._unfree(offset + size)
-            size += after
-        before = self.free_ending.get(offset)
-        if before is not None:
-            size += self.free[before]
-            self._unfree(before)
-            offset = before
-        self._refree(offset, size)
-
-    def _unfree(self, offset: int) -> None:
-        del self.free_ending[offset + self.free.pop(offset)]
-
-    def _refree(self, offset: int, size: int) -> None:
-        self.free[offset] = size
-        self.free_ending[offset + size] = offset
+def why_not_tuned(settings: str) -> str | None:
+    """Why the split limit is left as ``settings`` set it, or None when it may be tuned: the
+    operator chose ``max_split_size_mb`` already, or an allocator backend other than the native one
+    (whose options these are)."""
+    keys = {part.split(":", 1)[0].strip(): part.split(":", 1)[-1].strip() for part in settings.split(",") if part}
+    if "max_split_size_mb" in keys:
+        return f"the allocator settings set max_split_size_mb:{keys['max_split_size_mb']} already"
+    if keys.get("backend", "native") != "native":
+        return f"the {keys['backend']} allocator backend has no split limit"
+    return None
 
 
-def replay(events: Iterable[Event], size: int) -> int | None:
-    """Lay ``events`` out in one block of ``size`` bytes; the high-water mark, or None when a request
-    found no free range (frees of addresses the events never allocated are ignored)."""
-    block, at = _Block(size), {}
-    for kind, addr, nbytes in events:
-        if kind == "alloc":
-            offset = block.allocate(rounded(nbytes))
-            if offset is None:
-                return None
-            at[addr] = offset
-        elif addr in at:
-            block.release(at.pop(addr))
-    return block.high_water
+def candidate_limits_mb(request_bytes: Iterable[int]) -> list[int]:
+    """The split limits (whole MiB) worth a trial for a capture that made these requests: for each
+    distinct size in whole MiB above 20, the limit that makes requests of that size and larger
+    unsplittable blocks of their own, ascending."""
+    return sorted({n // MIB for n in request_bytes if n // MIB >= MIN_SPLIT_MB})
 
 
-def one_block_bytes(events: Sequence[Event]) -> int:
-    """The fewest bytes, in whole 2 MiB granules, of one free block in which ``events`` (large
-    requests only) lay out with no request left over; 0 when there is nothing to lay out or no size
-    up to :data:`MAX_EXTRA_GRANULES` above the unbounded replay's high-water mark fits (best fit is
-    not monotonic in the block's size: a smaller tail can draw a request an unbounded one would not)."""
-    events = [e for e in events if e[0] != "alloc" or e[2] > SMALL_REQUEST]
-    unbounded = replay(events, 1 << 62)
-    if not unbounded:
-        return 0
-    first = -(-unbounded // GRANULE) * GRANULE
-    for size in range(first, first + MAX_EXTRA_GRANULES * GRANULE + 1, GRANULE):
-        if replay(events, size) is not None:
-            return size
-    return 0
+def _apply(settings: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # renamed to torch._C._accelerator_* in newer torch
+        torch.cuda.memory._set_allocator_settings(settings)
+
+
+@contextlib.contextmanager
+def split_limit(limit_mb: int | None):
+    """The caching allocator's ``max_split_size_mb`` at ``limit_mb`` while the body runs, then the
+    process's own settings again (a setting they leave out returns to its default). None changes
+    nothing. See the module docstring's hazard."""
+    if limit_mb is None:
+        yield
+        return
+    own = process_settings()
+    _apply(",".join(p for p in (own, f"max_split_size_mb:{limit_mb}") if p))
+    try:
+        yield
+    finally:
+        _apply(own)
 
 
 def _history_enabled() -> bool:
@@ -145,19 +122,39 @@ def recorded_allocations(device: torch.device, stream: torch.cuda.Stream):
             torch.cuda.memory._record_memory_history(None)
 
 
-def block_for(pool: tuple, device: torch.device, capture_into: Callable[[tuple], Callable[[], None]]) -> int:
-    """The free block a backend's first capture begins by giving ``pool``
-    (:func:`graphs.process.after_free_block`). ``capture_into(trial)`` captures the shape once into a
-    fresh pool of its own and returns what releases that capture; the requests that trial capture
-    made in its pool, laid out in one block as the real capture will lay them out, size the block.
-    Its own capture, not an eager run: whatever the capture keeps (or frees later) the eager forward
-    need not. The trial pool is given back before the real capture. 0 when ``pool`` already has a
-    free block that large."""
+def _trial_bytes(device: torch.device, capture_into: Callable[[tuple], Callable[[], None]],
+                 limit_mb: int | None) -> int:
     trial = torch.cuda.graph_pool_handle()
-    with recorded_allocations(device, process.capture_stream(device)) as events:
+    with split_limit(limit_mb):
         release = capture_into(trial)
-        ranges = process.segment_ranges(trial, device)
+    held = process.pool_usage(trial, device)[0]
     release()
     process.release_warm_up_memory(device)
-    inside = [e for e in events() if any(start <= e[1] < end for start, end in ranges)]
-    return process.presize_bytes(pool, device, one_block_bytes(inside))
+    return held
+
+
+def chosen_limit(trials: dict[int | None, int]) -> int | None:
+    """The split limit whose trial pool held fewest bytes (None, the allocator's default, wins ties
+    and is the answer when there were no trials)."""
+    return min(trials, key=lambda k: (trials[k], k is not None), default=None)
+
+
+def tuned_split_limit(device: torch.device, capture_into: Callable[[tuple], Callable[[], None]]
+                      ) -> dict[int | None, int]:
+    """Each trial capture's pool bytes by split limit (None: the allocator's default), for
+    :func:`chosen_limit`. ``capture_into(trial)`` captures the shape into the pool ``trial`` and
+    returns what releases that capture. The first trial runs with the process's own settings and
+    records the requests the candidates come from (:func:`candidate_limits_mb`); each trial and its
+    pool are given back before the next. Off CUDA, or where :func:`why_not_tuned` names a reason,
+    no trial runs (an empty dict)."""
+    reason = why_not_tuned(process_settings()) if device.type == "cuda" else "no CUDA"
+    if reason is not None:
+        log.info("graph pool layout: split limit not tuned: %s", reason)
+        return {}
+    with recorded_allocations(device, process.capture_stream(device)) as events:
+        held = {None: _trial_bytes(device, capture_into, None)}
+    for limit in candidate_limits_mb(n for kind, _, n in events() if kind == "alloc"):
+        held[limit] = _trial_bytes(device, capture_into, limit)
+    log.info("graph pool layout: first capture's trial pools by split limit (MiB): %s; chosen %s",
+             {("default" if k is None else k): v >> 20 for k, v in held.items()}, chosen_limit(held) or "default")
+    return held

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -92,56 +91,6 @@ def allocations_in_pool(pool: tuple, device: torch.device | int | None = None):
     finally:
         torch._C._cuda_endAllocateToPool(idx, pool)
         torch._C._cuda_releasePool(idx, pool)
-
-
-def segment_ranges(pool: tuple, device: torch.device | int | None = None) -> list[tuple[int, int]]:
-    """(start, end) addresses of the segments ``pool`` holds now."""
-    return [(s["address"], s["address"] + s["total_size"]) for s in _segments(pool, _index(device))]
-
-
-def largest_free_block(pool: tuple, device: torch.device | int | None = None) -> int:
-    """Bytes of the largest free block the graph pool ``pool`` holds for the capture stream (the only
-    stream that allocates from it: the allocator serves a request from a block of its own stream)."""
-    idx = _index(device)
-    stream = capture_stream(idx).cuda_stream
-    return max((block["size"] for segment in _segments(pool, idx) if segment.get("stream") == stream
-                for block in segment["blocks"] if block["state"] == "inactive"), default=0)
-
-
-def presize_bytes(pool: tuple, device: torch.device, nbytes: int) -> int:
-    """The bytes of the one free block to give the graph pool ``pool`` before a capture lays out in
-    it (:func:`after_free_block`): ``nbytes`` (:func:`graphs.layout.one_block_bytes` of the capture's
-    allocations), unless the pool has a free block that large on the capture stream already (then 0;
-    0 off CUDA too)."""
-    if device.type != "cuda" or nbytes <= 0:
-        return 0
-    return 0 if largest_free_block(pool, device) >= nbytes else nbytes
-
-
-def after_free_block(fn: Callable[[], None], nbytes: int, device: torch.device) -> Callable[[], None]:
-    """``fn``, first allocating and freeing ``nbytes`` on the current stream (``fn`` itself when
-    ``nbytes`` is 0). Called inside a capture, that leaves the graph pool one free block of
-    ``nbytes`` (a segment of its own) on the capture stream, and the capture's own allocations lay
-    out inside it (best fit, coalescing on free) instead of growing the pool by a new segment per
-    request no free block fits, each rounded up: the pool then holds what one block needs for the
-    capture's requests (:mod:`graphs.layout`; graphs/DESIGN.md, "How the pool grows"). Inside the
-    capture, not before it: a pool no live graph holds yet would be released with its free block,
-    and could not be captured into again.
-
-    Hazard: too small a block costs more than no block. A request that no free part of it fits
-    grows the pool by a segment of that request's own size, and the block's rest stays in the pool
-    beside it (measured on the H200 and an H100, with blocks sized from the warm-up's peak:
-    graphs/DESIGN.md, "How the pool grows").
-    """
-    if nbytes <= 0:
-        return fn
-
-    def presized() -> None:
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        del block  # free in the pool, on the capture stream; the pool keeps the segment
-        fn()
-
-    return presized
 
 
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:

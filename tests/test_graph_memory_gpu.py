@@ -10,9 +10,8 @@ import torch
 
 from deploy.config import load_config
 from graphs.backends import WarmUpLeakError, create_backend
-from graphs.layout import GRANULE, one_block_bytes, recorded_allocations, replay
 from graphs.prefill import PrefillGraphRunner, default_prefill_ladder
-from graphs.process import after_free_block, capture_stream, graph_pool, pool_bytes
+from graphs.process import graph_pool, pool_bytes
 from tests.graph_harness import eager_hidden, fill_cache_randomly, random_prefill_batch
 from tests.reference import OwnModel, rel_l2
 from worker.attention.factory import flashinfer_importable
@@ -82,125 +81,69 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
     assert in_peak <= max(in_pool_bytes, out_peak - out_pool) + 64 * 2**20
 
 
-def _fragmenting_body(kept: list[torch.Tensor]):
-    """Four 12 MiB scratch buffers, the first and third freed, then a 24 MiB request that neither
-    12 MiB hole fits, and an 8 MiB output kept: a live peak of 56 MiB that one block holds only at 72."""
-    def body() -> None:
-        a, b, c, d = (torch.empty(12 << 20, dtype=torch.uint8, device=CUDA) for _ in range(4))
-        del a, c
-        wide = torch.empty(24 << 20, dtype=torch.uint8, device=CUDA)
-        kept.append(torch.ones(8 << 20, dtype=torch.uint8, device=CUDA))
-        del b, d, wide
-    return body
-
-
-def _capture_after_block(body, nbytes: int) -> list[int]:
-    pool = torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=capture_stream(CUDA)):
-        after_free_block(body, nbytes, CUDA)()
-    segments = [n for n in _pool_segments(pool) if n > 2 << 20]  # the small pool's 2 MiB ones aside
-    graph.reset()
-    return segments
-
-
-def test_the_layouts_block_holds_a_real_capture_and_one_granule_less_does_not():
-    """graphs.layout against the caching allocator itself: a recorded run of a body sizes the block
-    (72 MiB, above the 56 MiB live peak), a capture after a block of that size lays out in it alone,
-    and a capture after a block one granule shorter grows the pool by a segment beside it."""
-    kept: list[torch.Tensor] = []
-    body = _fragmenting_body(kept)
-    with recorded_allocations(CUDA, capture_stream(CUDA)) as events, torch.cuda.stream(capture_stream(CUDA)):
-        body()
-    nbytes = one_block_bytes(events())
-    assert nbytes == 72 << 20 and replay(events(), nbytes - GRANULE) is None
-    exact, short = _capture_after_block(body, nbytes), _capture_after_block(body, nbytes - GRANULE)
-    print(f"pool segments: after a block of {nbytes >> 20} MiB {[n >> 20 for n in exact]} MiB; "
-          f"after one of {(nbytes - GRANULE) >> 20} MiB {[n >> 20 for n in short]} MiB")
-    assert exact == [nbytes]
-    assert len(short) == 2 and short[0] == nbytes - GRANULE
-
-
 def _pool_segments(pool: tuple) -> list[int]:
     return sorted((s["total_size"] for s in torch.cuda.memory_snapshot()
                    if tuple(s.get("segment_pool_id", ())) == tuple(pool)), reverse=True)
 
 
-def test_a_block_freed_inside_a_capture_serves_the_captures_later_requests():
-    """The presized layout's premise: the block after_free_block gives a fresh pool inside a capture
-    holds what the capture allocates after it (a large request, a mid-sized one that alone would get
-    a 20 MiB segment, and a kept output), so the pool is that one segment."""
-    pool = torch.cuda.graph_pool_handle()
-    x = torch.randn(1 << 20, device=CUDA)
-    kept: list[torch.Tensor] = []
-
-    def body() -> None:
-        scratch = [torch.empty(40 << 20, dtype=torch.uint8, device=CUDA),
-                   torch.empty(4 << 20, dtype=torch.uint8, device=CUDA)]
-        kept.append(x * 2)  # 4 MiB: no request here is small enough for the small-block pool
-        del scratch
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=capture_stream(CUDA)):
-        after_free_block(body, 64 << 20, CUDA)()
-    segments = _pool_segments(pool)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(kept[0], x * 2)
-    graph.reset()
-    print(f"pool segments after a 64 MiB block: {[n >> 20 for n in segments]} MiB")
-    # Requests of 1 MiB or less (the capture's own generator state, say) go to 2 MiB segments of the
-    # small-block pool, which a large block never serves; every large request lands in the block.
-    assert [n for n in segments if n > 2 << 20] == [64 << 20]
+def _carving_body() -> None:
+    """A 64 MiB activation freed, a 24 MiB tensor made while the next is alive, then a second 64 MiB
+    activation: by default the 24 MiB request splits the freed 64 MiB block, so the second activation
+    finds no run long enough and grows the pool (128 MiB); with a split limit of 64 MiB or less the
+    block stays whole for it (88 MiB)."""
+    first = torch.zeros(64 << 20, dtype=torch.uint8, device=CUDA)
+    del first
+    middle = torch.zeros(24 << 20, dtype=torch.uint8, device=CUDA)
+    second = torch.zeros(64 << 20, dtype=torch.uint8, device=CUDA)
+    del middle, second
 
 
-def test_a_presized_first_capture_holds_in_its_block_what_only_the_capture_keeps():
-    """The block is sized from a trial capture, not from an eager run: a forward that keeps a 24 MiB
-    tensor only while capturing (eager warm-ups keep nothing) still lays out in the one block, and
-    the trial's own pool is given back."""
-    kept: list[torch.Tensor] = []
-    fragmenting = _fragmenting_body(kept)
-
-    def body() -> None:
-        fragmenting()
-        if torch.cuda.is_current_stream_capturing():
-            kept.append(torch.empty(24 << 20, dtype=torch.uint8, device=CUDA))
-
-    pool = torch.cuda.graph_pool_handle()
-    backend = create_backend("full", CUDA, pool=pool, presize_pool=True)
-    reserved = _settle()
-    shape = backend.capture(1, body, phase="test")
-    segments = [n for n in _pool_segments(pool) if n > 2 << 20]
-    print(f"presized pool after a capture that keeps 24 MiB more than its warm-ups: {[n >> 20 for n in segments]} MiB")
-    assert len(segments) == 1 and shape.resident_bytes >= segments[0]
-    kept.clear()
-    backend.release()
-    assert _settle() <= reserved  # nothing of the trial capture, nor of the real one, is left
+def test_a_tuned_first_capture_runs_under_the_split_limit_its_trials_laid_out_tightest():
+    """graphs.layout against the caching allocator itself: the trials of a capture that carves a freed
+    large block (the default's pool 128 MiB, each limit's 88), the real capture under the chosen limit,
+    the trial pools given back, and the process's own allocator settings in force again after."""
+    held = {}
+    for tune in (False, True):
+        pool = torch.cuda.graph_pool_handle()
+        backend = create_backend("full", CUDA, pool=pool, tune_split=tune)
+        reserved = _settle()
+        backend.capture(1, _carving_body, phase="test")
+        held[tune] = [n >> 20 for n in _pool_segments(pool) if n > 2 << 20]  # the small pool's 2 MiB aside
+        trials = {k: v >> 20 for k, v in backend.split_trials.items()}
+        backend.release()
+        assert _settle() <= reserved  # nothing of the trials, nor of the real capture, is left
+    print(f"pool segments (MiB): grown {held[False]}, tuned {held[True]}; trial pools by limit {trials}")
+    assert sorted(held[False]) == [64, 64] and sorted(held[True]) == [24, 64]
+    assert trials == {None: 128, 24: 88, 64: 88}
+    start = _settle()
+    with torch.cuda.stream(torch.cuda.Stream()):  # a stream no cached block belongs to yet
+        _carving_body()  # eager, after the capture: the allocator's default splits the freed block again
+    assert torch.cuda.memory_reserved() - start == 128 << 20
 
 
 @pytest.mark.parametrize("backend", ["breakable", "full"])
-def test_a_presized_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(backend, checkpoint_dir):
-    """graphs.pool_layout side by side on one model, each in a fresh pool (no graph holds it before the
-    first capture: the block must be given inside that capture): the presized pool starts with one
-    segment that a trial capture's requests, laid out by graphs.layout, fill; it holds at most what the
-    grown pool holds, every byte counts to a shape, and replays equal eager."""
+def test_a_tuned_pool_holds_no_more_than_a_grown_one_and_replays_equal_eager(backend, checkpoint_dir):
+    """graphs.pool_layout side by side on one model, each in a fresh pool: the tuned pool holds at
+    most what the grown pool holds, every byte counts to a shape, and replays equal eager."""
     own, step = _prefill_step(checkpoint_dir, backend)
-    held, segments = {}, {}
-    for presize in (False, True):
+    held, segments, trials = {}, {}, {}
+    for tune in (False, True):
         pool = torch.cuda.graph_pool_handle()
-        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, presize_pool=presize),
+        runner = PrefillGraphRunner(step, create_backend(backend, CUDA, pool=pool, tune_split=tune),
                                     default_prefill_ladder(CEILING), SLOTS, 2.0, None, torch.bfloat16)
         _settle()
         runner.capture_all(progress=False)
         assert not runner.failed, runner.failed
-        held[presize], segments[presize] = pool_bytes(pool), _pool_segments(pool)
-        assert runner.resident_bytes == held[presize]
-        if presize:
+        held[tune], segments[tune] = pool_bytes(pool), _pool_segments(pool)
+        trials[tune] = {k: v >> 20 for k, v in runner.backend.split_trials.items()}
+        assert runner.resident_bytes == held[tune]
+        if tune:
             _check_replays_equal_eager(own, runner, 2)
         runner.release()
         del runner
     print(f"{backend}: grown pool {held[False] / 2**20:.1f} MiB in segments {[n >> 20 for n in segments[False]]} MiB; "
-          f"presized {held[True] / 2**20:.1f} MiB in {[n >> 20 for n in segments[True]]} MiB")
+          f"tuned {held[True] / 2**20:.1f} MiB in {[n >> 20 for n in segments[True]]} MiB; trials {trials[True]}")
+    assert trials[False] == {} and None in trials[True]
     assert held[True] <= held[False]
 
 

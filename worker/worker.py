@@ -270,7 +270,7 @@ class Worker:
     def _graph_backend(self, name: str, pool: tuple | None) -> GraphBackend:
         return create_backend(name, self.device, barrier=self._barrier(), pool=pool,
                               warm_up_in_pool=self.config.graphs.warm_up_in_pool,
-                              presize_pool=self.config.graphs.pool_layout == "presized")
+                              tune_split=self.config.graphs.pool_layout == "tuned")
 
     def _build_prefill_runner(self, planner_candidates: bool, pool: tuple | None = None,
                               decode: DecodeGraphRunner | EagerRunner | None = None,
