@@ -30,9 +30,9 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from graphs.layout import SMALL_REQUEST
-
-#: The small pool's segments: requests of at most 1 MiB (graphs.layout.SMALL_REQUEST) share 2 MiB
+#: Requests of at most this many bytes live in the caching allocator's small pool.
+SMALL_REQUEST = 1 << 20
+#: The small pool's segments: requests of at most 1 MiB (SMALL_REQUEST) share 2 MiB
 #: segments and never use a large one.
 SMALL_SEGMENT = 2 * 2**20
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -52,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import environment, print_table, write_results  # noqa: E402
+from bench.capture_report import report  # noqa: E402
+from bench.common import environment, write_results  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 
 
@@ -84,11 +84,16 @@ def pool_sites(pool: tuple | None, inside: bool, top: int = 8) -> list[tuple[str
     return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
 
 
-def _chosen(runner) -> int | None:
-    """The split limit the runner's first capture ran under (graphs.layout), None for the default."""
-    from graphs.layout import chosen_limit
-
-    return chosen_limit(runner.backend.split_trials) if runner is not None else None
+def _median_ms(fn, runs: int = 10) -> float:
+    """The median wall milliseconds of ``runs`` calls of ``fn``, each to an idle device."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[runs // 2]
 
 
 def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list[int]]:
@@ -114,16 +119,16 @@ def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list
 
 def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_pool: bool = True,
         decode: str = "-", decode_batch: int = 256, explain: bool = False, served: int = 0,
-        lm_head: str = "graph", pool_layout: str = "grown") -> dict:
+        lm_head: str = "graph", mlp_chunk: int = 0) -> dict:
     """In this process: load, capture (unless ceiling is None), run one chunk-sized prefill (and,
     with ``decode``, capture decode graphs and run one decode step at ``decode_batch``), then
     ``served`` prefills of :func:`served_history`. ``lm_head``: ``graph`` (the prefill graphs end in
     the LM head's logits, as the worker builds them), or the stream of an eager LM head after a
     replay: ``compute`` (the current one) or ``capture`` (the process's capture stream, ordered both
     ways: torch keys a cuBLAS workspace by handle and stream, so this row shows what one workspace
-    instead of two saves). ``pool_layout``: ``graphs.pool_layout`` of the graph backends (``tuned``:
-    each backend's first capture runs under the allocator split limit its trial captures laid out
-    tightest: graphs.layout; with ``--explain`` the trials read the history this records and leave it on)."""
+    instead of two saves). ``mlp_chunk``: the MLP's row chunk in tokens (0: whole), in the prefill
+    graphs (``graphs.prefill.mlp_chunk_tokens``) or, in a row without them, in the eager forward.
+    ``chunk_ms``: the median of 10 more chunk-size prefill steps (replays, or eager forwards)."""
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -153,17 +158,15 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     base, base_allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     build = compile_s = capture_s = None
     runner = decode_runner = None
-    tune = pool_layout == "tuned"
+    chunk_tokens = mlp_chunk or None
     if decode == "graphs":  # built first (its static logits may take the prefill graphs' logits), captured after
         decode_runner = DecodeGraphRunner(ModelDecodeStep(model, attention, breakable=False),
-                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         tune_split=tune),
+                                          create_backend("full", cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
                                           default_decode_ladder(decode_batch), True)
     if ceiling is not None:
         step = CompiledPrefillStep(model, attention) if backend == "tc_piecewise" else \
-            ModelPrefillStep(model, attention, breakable=backend == "breakable")
-        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool,
-                                                         tune_split=tune),
+            ModelPrefillStep(model, attention, breakable=backend == "breakable", mlp_chunk_tokens=chunk_tokens)
+        runner = PrefillGraphRunner(step, create_backend(backend, cuda, pool=pool, warm_up_in_pool=warm_up_in_pool),
                                     default_prefill_ladder(ceiling),
                                     max(1, chunk // 512), 2.0, None, torch.bfloat16, logits=lm_head == "graph",
                                     logits_out=decode_runner.buffers.logits
@@ -211,14 +214,15 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
                 return how
         else:
             attention.plan(live.attention)
-            hidden, how = model(ids, pos, attention).index_select(0, last), "eager"
+            hidden, how = model(ids, pos, attention, chunk_tokens).index_select(0, last), "eager"
         logits(hidden)
         return how
 
     # A chunk of exactly ``chunk`` tokens, split into requests no longer than the model's
     # positions (tinyllama-1.1b has 2048: one 8192-token request would index past its RoPE table).
     n_req = -(-chunk // arch.max_position_embeddings)
-    mode = prefill([chunk // n_req + (i < chunk % n_req) for i in range(n_req)])
+    chunk_lengths = [chunk // n_req + (i < chunk % n_req) for i in range(n_req)]
+    mode = prefill(chunk_lengths)
     if decode != "-":  # one page a row, 16 tokens of context
         d_ids = torch.randint(10, arch.vocab_size, (decode_batch,), device="cuda")
         d_live = LiveDecodeBatch(d_ids, torch.full((decode_batch,), 15, device="cuda"),
@@ -234,6 +238,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     peak = torch.cuda.max_memory_reserved() - base
     live_peak = torch.cuda.max_memory_allocated() - base_allocated
     in_pool = pool_bytes(pool)
+    chunk_ms = _median_ms(lambda: prefill(chunk_lengths))
     served_peak = served_held = None
     served_modes: dict[str, int] = {}
     if served:
@@ -255,10 +260,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     return {"backend": backend, "ceiling": ceiling, "mode": mode, "decode": decode, "lm_head": lm_head,
             "decode_shapes": len(decode_runner.ladder) if decode_runner else 0,
             "outside_bytes": held - in_pool, "outside_sites": sites, "pool_live_sites": pool_live,
-            "allocator": allocator, "pool_layout": pool_layout,
-            "split_trials_MiB": {("default" if k is None else str(k)): v / 2**20
-                                 for k, v in runner.backend.split_trials.items()} if runner else None,
-            "split_limit_mb": _chosen(runner),
+            "allocator": allocator, "mlp_chunk": mlp_chunk, "chunk_ms": chunk_ms,
             "warm_up": ("pool" if warm_up_in_pool else "outside") if runner else None,
             "build_s": build, "compile_s": compile_s,
             "capture_s": capture_s, "failed": len(runner.failed) if runner else 0,
@@ -305,13 +307,10 @@ def main() -> None:
                          "slack and growths per pool, a planned layout's bytes (bench/alloc_trace.py)")
     ap.add_argument("--served", type=int, default=0,
                     help="then this many prefills of a seeded serving history (random sizes up to the chunk)")
-    ap.add_argument("--pool-layout", default="grown",
-                    help="comma-separated, each graph row once per value of graphs.pool_layout: grown (the "
-                         "allocator's segments) or tuned (the first capture under the allocator split limit "
-                         "its trial captures laid out tightest); eager rows unchanged; e.g. grown,tuned")
-    ap.add_argument("--eager-split-mb", default="",
-                    help="comma-separated max_split_size_mb values: each adds the none:none:- row run with the whole "
-                         "process under that allocator split limit (what eager serving gets from the same knob)")
+    ap.add_argument("--mlp-chunk-tokens", default="0",
+                    help="comma-separated, each row once per value: the MLP's row chunk in tokens inside the prefill "
+                         "graphs (graphs.prefill.mlp_chunk_tokens), or in the eager forward of a row without them; "
+                         "0 = whole (the no-graph baseline is the none row at 0); e.g. 0,2048")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = ensure_checkpoint(args.preset, Path(args.checkpoints))
@@ -319,7 +318,7 @@ def main() -> None:
         backend, ceiling, warm_up, decode, lm_head = parse_config(args.one)
         print(json.dumps(one(path, args.chunk, None if ceiling == "none" else int(ceiling), backend,
                              warm_up == "pool", decode, args.decode_batch, args.explain, args.served, lm_head,
-                             args.pool_layout)))
+                             int(args.mlp_chunk_tokens))))
         return
     # One process per configuration also isolates tc_piecewise's torch.compile state (process-wide).
     chunk = str(args.chunk)
@@ -335,91 +334,27 @@ def main() -> None:
             runs = [parse_config(c) for c in args.only.split(",")]
         except ValueError as e:
             ap.error(str(e))
-    layouts = args.pool_layout.split(",")
-    if any(m not in ("grown", "tuned") for m in layouts):
-        ap.error(f"--pool-layout: each value must be grown or tuned, got {args.pool_layout!r}")
     try:
-        eager_splits = [int(v) for v in args.eager_split_mb.split(",") if v]
+        chunks = [int(v) for v in args.mlp_chunk_tokens.split(",")]
     except ValueError:
-        ap.error(f"--eager-split-mb: comma-separated whole MiB, got {args.eager_split_mb!r}")
-    if any(v <= 20 for v in eager_splits):
-        ap.error(f"--eager-split-mb: the allocator takes values above 20, got {args.eager_split_mb!r}")
-    runs = [(*r, m, {}) for r in runs for m in (layouts if r[1] != "none" or r[3] == "graphs" else ["grown"])] + \
-        [("none", "none", "-", "-", "compute", f"max_split:{v}", {"PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:{v}"})
-         for v in eager_splits]
+        ap.error(f"--mlp-chunk-tokens: comma-separated token counts, got {args.mlp_chunk_tokens!r}")
+    if any(v < 0 for v in chunks):
+        ap.error(f"--mlp-chunk-tokens: 0 (whole) or a positive token count, got {args.mlp_chunk_tokens!r}")
+    runs = [(*r, c) for r in runs for c in chunks]
     rows = []
-    for backend, ceiling, warm_up, decode, lm_head, layout, env in runs:
+    for backend, ceiling, warm_up, decode, lm_head, mlp_chunk in runs:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",
                args.checkpoints, "--decode-batch", str(args.decode_batch), "--one",
                f"{backend}:{ceiling}:{warm_up}:{decode}:{lm_head}", "--served", str(args.served),
-               "--pool-layout", layout if layout in layouts else "grown"] + \
+               "--mlp-chunk-tokens", str(mlp_chunk)] + \
             (["--explain"] if args.explain else [])
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                             env={**os.environ, **env})
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
-        rows.append({**json.loads(lines[-1]), "pool_layout": layout} if lines else
+        rows.append(json.loads(lines[-1]) if lines else
                     {"backend": backend, "ceiling": ceiling, "warm_up": warm_up, "decode": decode, "lm_head": lm_head,
-                     "pool_layout": layout, "error": res.stderr[-2000:]})
+                     "mlp_chunk": mlp_chunk, "error": res.stderr[-2000:]})
 
-    def base_of(decode: str) -> int | None:
-        return next((r.get("above_baseline_bytes") for r in rows
-                     if r.get("backend") == "none" and r.get("decode") == decode and r["lm_head"] == "compute"
-                     and r.get("pool_layout") == "grown"), None)
-
-    baseline = base_of("-")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']}:{r['lm_head']} failed: {r['error']}")
-    for r in rows:
-        if "above_baseline_bytes" in r:
-            r["peak_GiB"] = r["above_baseline_bytes"] / 2**30
-            r["held_GiB"] = r["held_bytes"] / 2**30
-            r["pool_GiB"] = r["pool_bytes"] / 2**30
-            r["outside_GiB"] = r["outside_bytes"] / 2**30
-            r["live_peak_GiB"] = r["live_peak_bytes"] / 2**30
-            r["vs_no_graph"] = r["above_baseline_bytes"] / baseline if baseline else None
-            r["held_vs_no_graph"] = r["held_bytes"] / baseline if baseline else None
-            same = base_of(r["decode"]) if r["decode"] != "-" else None
-            eager = base_of("eager") if r["decode"] != "-" else None
-            r["vs_same_decode"] = r["above_baseline_bytes"] / same if same else None
-            r["vs_all_eager"] = r["above_baseline_bytes"] / eager if eager else None
-            if r.get("served_peak_bytes") is not None:
-                served_base = next((x.get("served_peak_bytes") for x in rows if x.get("backend") == "none"
-                                    and x.get("decode") == r["decode"] and x.get("pool_layout") == "grown"), None)
-                r["served_peak_GiB"] = r["served_peak_bytes"] / 2**30
-                r["served_held_GiB"] = r["served_held_bytes"] / 2**30
-                r["served_vs_no_graph"] = r["served_peak_bytes"] / served_base if served_base else None
-    print("peak and held: GiB the allocator reserves above the model (peak from before capture to after a "
-          f"chunk-size prefill; held after it); vs_no_graph over the eager peak ({(baseline or 0) / 2**30:.3f} GiB); "
-          "vs_same_decode over the row without prefill graphs and the same decode; vs_all_eager over no graphs "
-          "at all with an eager decode step")
-    print("live_peak: the most the allocator had handed out at once over the same window (reserved above it is "
-          "the caching allocator's slack: what a tighter layout could give back)")
-    print_table(rows, ["backend", "ceiling", "warm_up", "decode", "lm_head", "pool_layout", "mode", "shapes",
-                       "failed", "build_s", "compile_s", "capture_s", "peak_GiB", "live_peak_GiB", "held_GiB",
-                       "pool_GiB", "outside_GiB", "vs_no_graph", "held_vs_no_graph", "vs_same_decode", "vs_all_eager",
-                       "split_limit_mb"])
-    for r in rows:
-        if r.get("split_trials_MiB"):
-            print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} tuned: trial pools by split limit "
-                  f"(MiB) {r['split_trials_MiB']}, chosen {r['split_limit_mb'] or 'default'}")
-    if args.served:
-        print(f"after {args.served} more prefills of a serving history: served_vs_no_graph is the served peak "
-              "over the no-prefill-graph row's of the same decode mode")
-        print_table(rows, ["backend", "ceiling", "warm_up", "decode", "served_modes", "served_peak_GiB",
-                           "served_held_GiB", "served_vs_no_graph"])
-    for r in rows:
-        if r.get("allocator"):
-            from bench.alloc_trace import summary_lines
-
-            for line in summary_lines(r["allocator"]):
-                print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {line}")
-            growth = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r.get("pool_growth_by_shape", {}).items())
-            print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} pool growth by shape (MiB): {growth}")
-        for where, key in (("outside the pool", "outside_sites"), ("live in the pool", "pool_live_sites")):
-            for site in r.get(key) or []:
-                print(f"  {r['backend']}:{r['ceiling']}:{r['warm_up']}:{r['decode']} {where} "
-                      f"{site['MiB']:8.1f} MiB  {site['site']}")
+    report(rows, args.served)
     print(f"wrote {write_results('capture', {'env': environment(), 'rows': rows, 'args': vars(args)})}")
 
 

@@ -9,14 +9,12 @@ its first runs, such as the capture stream's cuBLAS workspace, stays outside), a
 cached are given back before the capture grows the pool. Every later warm-up runs inside the pool
 (``warm_up_in_pool``), on blocks earlier captures left free, so warm-ups never hold an activation
 peak beside the graphs; one that leaves anything allocated there raises :class:`WarmUpLeakError`,
-since a later replay would overwrite it. ``tune_split``: the first capture runs under the allocator's split
-limit that trial captures laid out tightest (:mod:`graphs.layout`; graphs/DESIGN.md, "How the pool grows").
+since a later replay would overwrite it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
@@ -24,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs import layout
 from graphs.breakable import BreakableCapture, BreakableGraph, CaptureError, ForkTracker, unjoined_error
 from graphs.capture_failures import offending_call, root_cause, sync_is_error
 from graphs.piecewise import CompileClock, compile_clock
@@ -58,14 +55,12 @@ class GraphBackend(ABC):
 
     def __init__(self, device: torch.device, warmup: int = 2,
                  barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                 warm_up_in_pool: bool = True, tune_split: bool = False) -> None:
+                 warm_up_in_pool: bool = True) -> None:
         self.device = device
         self.warmup = warmup
         self.barrier = barrier
         self._pool = pool
         self.warm_up_in_pool = warm_up_in_pool
-        self.tune_split = tune_split
-        self.split_trials: dict[int | None, int] = {}  # the first capture's trial pool bytes by split limit
         self.shapes: dict[Hashable, CapturedShape] = {}
 
     @property
@@ -85,10 +80,7 @@ class GraphBackend(ABC):
         start = time.perf_counter()
         try:
             before = self._warm_up_measured(key, fn, phase)
-            if self.tune_split and not self.shapes and self.device.type == "cuda":
-                self.split_trials = layout.tuned_split_limit(self.device, functools.partial(self._capture_into, fn=fn))
-            with layout.split_limit(layout.chosen_limit(self.split_trials) if not self.shapes else None):
-                artifact, segments, breaks = self._capture(fn)
+            artifact, segments, breaks = self._capture(fn)
         except WarmUpLeakError:
             raise
         except CaptureError as e:
@@ -162,14 +154,6 @@ class GraphBackend(ABC):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-
-    def _capture_into(self, pool: tuple, fn: Callable[[], None]) -> Callable[[], None]:
-        """Capture ``fn`` into ``pool`` rather than this backend's own; returns what releases it."""
-        own, self._pool = self._pool, pool
-        try:
-            return functools.partial(self._release, self._capture(fn)[0])
-        finally:
-            self._pool = own
 
     @abstractmethod
     def _capture(self, fn: Callable[[], None]) -> tuple[object, int, int]:
@@ -383,18 +367,18 @@ def compile_fallback(device: torch.device) -> str:
 
 def create_backend(name: str, device: torch.device, warmup: int = 2,
                    barrier: Callable[[], None] | None = None, pool: tuple | None = None,
-                   warm_up_in_pool: bool = True, tune_split: bool = False) -> GraphBackend:
+                   warm_up_in_pool: bool = True) -> GraphBackend:
     """``full``, ``breakable``, ``tc_piecewise``, ``tc_full`` or ``debug`` (``eager`` is the eager
     runner: no backend).
 
     Off CUDA only ``debug``, ``tc_piecewise`` and ``tc_full`` (compiled, no graphs) exist.
-    ``warm_up_in_pool`` and ``tune_split``: see the module docstring.
+    ``warm_up_in_pool``: see the module docstring.
     """
     if name not in BACKENDS:
         raise ValueError(f"graph backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if device.type == "cuda":
-        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool, tune_split)
+        return BACKENDS[name](device, warmup, barrier, pool, warm_up_in_pool)
     if name not in OFF_CUDA:
         raise ValueError(f"graph backend {name!r} needs CUDA; on {device} use 'debug', 'tc_piecewise', "
                          "'tc_full' or 'eager'")
-    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool, tune_split)
+    return OFF_CUDA[name](device, warmup, barrier, pool, warm_up_in_pool)

@@ -121,8 +121,7 @@ def _measure(runner: GraphRunner) -> _Measured | None:
     small_alone = large_bytes
     if small != large and device.type == "cuda":
         scratch = create_backend(runner.backend.name, device, pool=torch.cuda.graph_pool_handle(),
-                                 warm_up_in_pool=runner.backend.warm_up_in_pool,
-                                 tune_split=runner.backend.tune_split)
+                                 warm_up_in_pool=runner.backend.warm_up_in_pool)
         shape = scratch.capture(small, runner.capture_callable(small), phase=runner.phase)
         small_alone = shape.resident_bytes
         scratch.release()

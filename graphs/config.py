@@ -10,7 +10,6 @@ from configkit import ConfigError, Section, check, check_ladder, check_min, pars
 DecodeBackend = Literal["full", "breakable", "tc_full", "eager", "debug"]
 PrefillBackend = Literal["breakable", "full", "tc_piecewise", "eager", "debug"]
 CaptureMode = Literal["both", "decode", "prefill", "none"]
-PoolLayout = Literal["grown", "tuned"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,11 @@ class PrefillGraphConfig(Section):
         row of the static output and a row of every plan (sentinel rows are empty: flashinfer
         schedules no work for them).
     max_padding_ratio: replay a bucket only if bucket / actual tokens <= this, else run eager (>= 1).
+    mlp_chunk_tokens: inside prefill graphs (and the debug backend's runner path), each layer's MLP
+        runs over row chunks of at most this many tokens, so its gate/up and SiLU activations, the
+        largest of a layer, are a chunk's and the graph pool holds that much less (graphs/DESIGN.md,
+        "How the pool grows"); a graph replays the extra kernels without launching them one by one.
+        None = the whole batch at once. Eager prefill and tc_piecewise run the MLP whole.
     """
 
     backend: PrefillBackend = "breakable"
@@ -65,9 +69,11 @@ class PrefillGraphConfig(Section):
     max_tokens: int | None = None
     num_request_slots: int | None = None
     max_padding_ratio: float = 2.0
+    mlp_chunk_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
         check_ladder(self.token_buckets, "token_buckets")
+        check_min(self.mlp_chunk_tokens, "mlp_chunk_tokens", 1)
         check_min(self.max_tokens, "max_tokens", 1)
         if self.token_buckets and self.max_tokens is not None:
             check(
@@ -125,11 +131,6 @@ class GraphsConfig(Section):
     warm_up_in_pool: each backend's warm-ups after its first capture run inside the graph pool,
         on the blocks captured graphs leave free, so capture holds no activation peak beside the
         graphs; false runs every warm-up outside the pool (graphs.backends).
-    pool_layout: ``grown``: the graph pool grows as the caching allocator grows any pool (a new
-        segment, rounded up, whenever no free block fits); ``tuned``: each backend's first capture
-        runs under the allocator's split limit (``max_split_size_mb``) that trial captures of that
-        shape laid out in the fewest bytes, the default among them (graphs.layout; graphs/DESIGN.md,
-        "How the pool grows"). An operator's own max_split_size_mb is left alone
     """
 
     enabled: bool = True
@@ -143,7 +144,6 @@ class GraphsConfig(Section):
     replan_interval_s: float | None = None
     replan_padding_share: float = 0.1
     warm_up_in_pool: bool = True
-    pool_layout: PoolLayout = "grown"
 
     def __post_init__(self) -> None:
         budget = self.memory_budget

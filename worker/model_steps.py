@@ -103,13 +103,17 @@ class ModelPrefillStep(_ModelStep):
 
     Recording attention in the graph (``breakable=False``) needs a backend whose prefill
     attention is graph-safe (flashinfer); breakable runs it, and its host-dependent work, eagerly.
+    ``mlp_chunk_tokens``: the MLP runs over row chunks of at most that many tokens
+    (:meth:`worker.model.llama.MLP.forward`; ``graphs.prefill.mlp_chunk_tokens``).
     """
 
-    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, breakable: bool) -> None:
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, breakable: bool,
+                 mlp_chunk_tokens: int | None = None) -> None:
         if not breakable and not attention.graph_safe(True):
             raise ValueError(f"graphs.prefill.backend=full needs a graph-safe prefill attention backend; "
                              f"attention.backend={attention.name} is not (use graphs.prefill.backend=breakable)")
         super().__init__(model, attention, breakable)
+        self.mlp_chunk_tokens = mlp_chunk_tokens
         self.hidden_size = model.arch.hidden_size
         self.vocab_size = model.arch.vocab_size
 
@@ -125,7 +129,7 @@ class ModelPrefillStep(_ModelStep):
         self.attention.plan(AttentionBatch.dummy_prefill(tokens, self.attention.kv_cache.page_size), slots, tokens)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, self._forward_attention)
+        return self.model(input_ids, positions, self._forward_attention, self.mlp_chunk_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head in the model's dtype: the runner's copy into its float32 output is the cast."""

@@ -269,8 +269,7 @@ class Worker:
 
     def _graph_backend(self, name: str, pool: tuple | None) -> GraphBackend:
         return create_backend(name, self.device, barrier=self._barrier(), pool=pool,
-                              warm_up_in_pool=self.config.graphs.warm_up_in_pool,
-                              tune_split=self.config.graphs.pool_layout == "tuned")
+                              warm_up_in_pool=self.config.graphs.warm_up_in_pool)
 
     def _build_prefill_runner(self, planner_candidates: bool, pool: tuple | None = None,
                               decode: DecodeGraphRunner | EagerRunner | None = None,
@@ -289,7 +288,7 @@ class Worker:
             log.warning("graphs.prefill.backend=full is experimental: attention is recorded inside the graph "
                         "with fixed request slots; breakable is the production default")
         step = self._compiled_step("prefill") if name == "tc_piecewise" else \
-            ModelPrefillStep(self.model, self.attention, breakable=name != "full")
+            ModelPrefillStep(self.model, self.attention, breakable=name != "full", mlp_chunk_tokens=p.mlp_chunk_tokens)
         shared = decode.buffers.logits if isinstance(decode, DecodeGraphRunner) else None
         in_graph, logits_out = logits_output(shared, slots, self.arch.vocab_size)
         return PrefillGraphRunner(step, self._graph_backend(name, pool), ladder, slots, p.max_padding_ratio,

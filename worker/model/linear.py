@@ -83,6 +83,11 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
 
+    def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's product of ``x`` written into ``out`` (contiguous rows), not yet summed over
+        the TP group: the caller all-reduces the whole output once."""
+        torch.mm(x, self.weight.t(), out=out)
+
 
 def qkv_sources(prefix: str, num_heads: int, num_kv_heads: int, head_dim: int,
                 tp: TensorParallel) -> tuple[list[Source], int, int]:

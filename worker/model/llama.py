@@ -77,8 +77,18 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", inter, arch.hidden_size, tp, dtype)
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+        """``down(silu(gate) * up)`` of ``x``. With ``chunk_tokens``, row chunks of at most that many
+        tokens go through gate/up, SiLU and the down projection one after another into one output,
+        so the layer's largest activations (gate/up and SiLU, 3x the intermediate size a token) are a
+        chunk's; the TP all-reduce runs once, over the whole output."""
+        if chunk_tokens is None or x.shape[0] <= chunk_tokens:
+            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        out = x.new_empty((x.shape[0], self.down_proj.out_local))
+        for start in range(0, x.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            self.down_proj.partial_into(self.kernels.silu_and_mul(self.gate_up_proj(x[rows])), out[rows])
+        return self.down_proj.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -94,8 +104,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", arch.hidden_size, eps, dtype, kernels)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
-                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionBackend,
+                mlp_chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -103,7 +113,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, rope, attn)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, mlp_chunk_tokens), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,12 +158,14 @@ class LlamaForCausalLM(nn.Module):
                 module.load(ckpt)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                mlp_chunk_tokens: int | None = None) -> torch.Tensor:
+        """Final hidden states of ``input_ids`` at ``positions``; ``mlp_chunk_tokens``: see :meth:`MLP.forward`."""
         x = self.embed_tokens(input_ids)
         residual = None
         rope = Rope(positions, self.cos_sin_cache, self.arch.head_dim, self.kernels.apply_rope)
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn)
+            x, residual = layer(x, residual, rope, attn, mlp_chunk_tokens)
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
