@@ -340,7 +340,7 @@ def main() -> None:
         ap.error(f"--mlp-chunk-tokens: comma-separated token counts, got {args.mlp_chunk_tokens!r}")
     if any(v < 0 for v in chunks):
         ap.error(f"--mlp-chunk-tokens: 0 (whole) or a positive token count, got {args.mlp_chunk_tokens!r}")
-    runs = [(*r, c) for r in runs for c in chunks]
+    runs = [(*r, c) for r in runs for c in (chunks if r[0] != "tc_piecewise" else [0])]  # it compiles the MLP whole
     rows = []
     for backend, ceiling, warm_up, decode, lm_head, mlp_chunk in runs:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--chunk", chunk, "--checkpoints",

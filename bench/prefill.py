@@ -31,6 +31,7 @@ from bench.common import environment, print_table, write_results  # noqa: E402
 from bench.decode import timed  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from graphs.backends import create_backend  # noqa: E402
+from graphs.config import PrefillGraphConfig  # noqa: E402
 from graphs.prefill import LivePrefillBatch, PrefillGraphRunner  # noqa: E402
 from worker.attention.base import AttentionBatch  # noqa: E402
 from worker.attention.factory import create_attention_backend  # noqa: E402
@@ -77,7 +78,8 @@ def eager(setup: Setup, lengths: list[int], repeats: int) -> dict[int, float]:
 def graphs(setup: Setup, backend: str, lengths: list[int], repeats: int) -> tuple[dict[int, float], dict]:
     """Step seconds per length, and the build: ``seconds`` (plus compile/capture for tc_piecewise)."""
     step = CompiledPrefillStep(setup.model, setup.attention) if backend == "tc_piecewise" else \
-        ModelPrefillStep(setup.model, setup.attention, breakable=backend == "breakable")
+        ModelPrefillStep(setup.model, setup.attention, breakable=backend == "breakable",
+                         mlp_chunk_tokens=PrefillGraphConfig().mlp_chunk_tokens)  # as the fleet's default
     runner = PrefillGraphRunner(step, create_backend(backend, CUDA), lengths, SLOTS, 2.0, None, torch.bfloat16)
     summary = runner.capture_all(progress=False)
     if runner.failed:

@@ -86,10 +86,12 @@ def test_warm_ups_in_the_pool_hold_no_second_activation_peak(backend, checkpoint
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_mlp_row_chunks_shrink_the_prefill_pool_and_replays_still_equal_eager(backend, checkpoint_dir):
     """graphs.prefill.mlp_chunk_tokens side by side on one model, each in a fresh pool: with the MLP
-    over chunks of 256 tokens a 4096-token ceiling's captures have a live peak lower by about the
-    whole MLP's gate/up and SiLU activations (8 + 4 MiB on this model), the pool holds no more (its
-    smallest large segment, 20 MiB, holds either here), every byte counts to a shape, and replays
-    equal the eager forward (the MLP whole)."""
+    over chunks of 256 tokens a 4096-token ceiling's captures have a lower live peak (the whole MLP's
+    gate/up and SiLU activations are 8 + 4 MiB on this model; the peak moves to attention: 18 -> 12 MiB
+    on an H100), every byte counts to a shape, and replays equal the eager forward (the MLP whole).
+    This model's pool is too small to show the saving (one 20 MiB segment holds either layout; the
+    chunks' requests of 1 MiB or less add a 2 MiB small-pool segment: 24 -> 26 MiB on an H100):
+    bench/capture.py measures it on the presets."""
     own, _ = _prefill_step(checkpoint_dir, backend)
     held, live = {}, {}
     for chunk in (None, 256):
@@ -110,8 +112,8 @@ def test_mlp_row_chunks_shrink_the_prefill_pool_and_replays_still_equal_eager(ba
     print(f"{backend}: prefill captures with the MLP whole: live peak {live[None] / 2**20:.1f} MiB, pool "
           f"{held[None] / 2**20:.1f} MiB; in chunks of 256 tokens: {live[256] / 2**20:.1f}, "
           f"{held[256] / 2**20:.1f} MiB")
-    assert live[256] <= live[None] - (8 << 20)
-    assert held[256] <= held[None]
+    assert live[256] <= live[None] - (4 << 20)
+    assert held[256] <= held[None] + (2 << 20)
 
 
 def test_a_warm_up_that_leaves_memory_in_the_pool_raises():
