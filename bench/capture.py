@@ -35,6 +35,9 @@
    configuration): ``served_peak_GiB`` and ``served_held_GiB`` are the peak and what is still
    reserved after it. Eager's caching allocator keeps blocks of every size it has seen, split and
    cached, where graph replays allocate nothing new: a serving process's memory, not one prefill's.
+6. ``--mlp-chunk-tokens 0,2048``: every row once per value of ``graphs.prefill.mlp_chunk_tokens``
+   (the none rows chunk their eager forward alike, to show what eager would save the same way;
+   tc_piecewise runs whole), and ``chunk_ms``, the chunk-size step's time, for what the chunks cost.
 """
 
 from __future__ import annotations
