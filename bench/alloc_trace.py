@@ -30,11 +30,9 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-#: Requests of at most this many bytes live in the caching allocator's small pool.
-SMALL_REQUEST = 1 << 20
-#: The small pool's segments: requests of at most 1 MiB (SMALL_REQUEST) share 2 MiB
-#: segments and never use a large one.
+#: The small pool's segments: requests of at most 1 MiB share 2 MiB segments and never use a large one.
 SMALL_SEGMENT = 2 * 2**20
+SMALL_REQUEST = 2**20
 
 
 @dataclass

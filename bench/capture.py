@@ -87,18 +87,6 @@ def pool_sites(pool: tuple | None, inside: bool, top: int = 8) -> list[tuple[str
     return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
 
 
-def _median_ms(fn, runs: int = 10) -> float:
-    """The median wall milliseconds of ``runs`` calls of ``fn``, each to an idle device."""
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[runs // 2]
-
-
 def served_history(n: int, chunk: int, max_len: int, seed: int = 0) -> list[list[int]]:
     """``n`` prefill steps of a serving history: each a list of request lengths (1-16 requests, each
     at most ``max_len`` tokens) whose total is random in [1, ``chunk``]."""
@@ -132,6 +120,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     instead of two saves). ``mlp_chunk``: the MLP's row chunk in tokens (0: whole), in the prefill
     graphs (``graphs.prefill.mlp_chunk_tokens``) or, in a row without them, in the eager forward.
     ``chunk_ms``: the median of 10 more chunk-size prefill steps (replays, or eager forwards)."""
+    from bench.decode import timed
     from graphs.backends import create_backend
     from graphs.buckets import default_decode_ladder
     from graphs.decode import DecodeGraphRunner, LiveDecodeBatch
@@ -241,7 +230,7 @@ def one(path: Path, chunk: int, ceiling: int | None, backend: str, warm_up_in_po
     peak = torch.cuda.max_memory_reserved() - base
     live_peak = torch.cuda.max_memory_allocated() - base_allocated
     in_pool = pool_bytes(pool)
-    chunk_ms = _median_ms(lambda: prefill(chunk_lengths))
+    chunk_ms = timed(lambda: prefill(chunk_lengths), 10, warmup=0) * 1e3  # the prefill above warmed it up
     served_peak = served_held = None
     served_modes: dict[str, int] = {}
     if served:

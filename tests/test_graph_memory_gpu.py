@@ -32,15 +32,18 @@ def _settle() -> int:
     return torch.cuda.memory_reserved()
 
 
-def _prefill_step(checkpoint_dir, backend: str, mlp_chunk_tokens: int | None = None
-                  ) -> tuple[OwnModel, ModelPrefillStep]:
+def _own_model(checkpoint_dir) -> OwnModel:
     if not flashinfer_importable():
         pytest.skip("flashinfer not installed")
     own = OwnModel(checkpoint_dir("tiny-llama"), dtype=torch.bfloat16, device="cuda", backend="flashinfer",
                    num_pages=4096, kernels=select_kernels(CUDA), max_rows=64, max_pages_per_row=512)
     fill_cache_randomly(own)
-    return own, ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable",
-                                 mlp_chunk_tokens=mlp_chunk_tokens)
+    return own
+
+
+def _prefill_step(checkpoint_dir, backend: str) -> tuple[OwnModel, ModelPrefillStep]:
+    own = _own_model(checkpoint_dir)
+    return own, ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable")
 
 
 def _check_replays_equal_eager(own: OwnModel, runner: PrefillGraphRunner, seed: int) -> None:
@@ -92,7 +95,7 @@ def test_mlp_row_chunks_shrink_the_prefill_pool_and_replays_still_equal_eager(ba
     This model's pool is too small to show the saving (one 20 MiB segment holds either layout; the
     chunks' requests of 1 MiB or less add a 2 MiB small-pool segment: 24 -> 26 MiB on an H100):
     bench/capture.py measures it on the presets."""
-    own, _ = _prefill_step(checkpoint_dir, backend)
+    own = _own_model(checkpoint_dir)
     held, live = {}, {}
     for chunk in (None, 256):
         step = ModelPrefillStep(own.model, own.attention, breakable=backend == "breakable", mlp_chunk_tokens=chunk)
