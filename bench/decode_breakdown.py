@@ -7,7 +7,9 @@ gap between replay wall time and summed kernel time is launch/dependency overhea
 graph; the gap between the step and the replay is host work. ``pipelined_ms`` issues steps back
 to back (host work of the next step overlapping the GPU work of this one, as a serving loop
 does). Variants compare flashinfer's decode kernels (``VARIANTS``), each with the engine's other
-defaults (fast plan, fused RoPE + KV write, KV split "auto").
+defaults (fast plan, fused RoPE + KV write, KV split "auto"). ``--blas`` compares the BLAS library
+the projections' GEMMs are captured with (``torch.backends.cuda.preferred_blas_library``: PyTorch's
+default cuBLAS, or cuBLASLt, whose heuristics pick other tiles and split-K for few rows).
 """
 
 from __future__ import annotations
@@ -76,7 +78,17 @@ def attention_kernel_ms(per_name: dict[str, list[float]]) -> float:
 
 
 def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict,
-                   variant: str, page_size: int = 16) -> None:
+                   variant: str, page_size: int = 16, blas: str = "cublas") -> None:
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(blas)  # the GEMM kernels are chosen at capture and kept in the graphs
+    try:
+        _measure(preset, batches, args, bw, rows, details, variant, page_size, blas)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _measure(preset: str, batches: list[int], args, bw: float, rows: list, details: dict, variant: str,
+             page_size: int, blas: str) -> None:
     setup = Setup(ensure_checkpoint(preset, Path(args.checkpoints)), max(batches), args.context, args.attention,
                   page_size)
     if variant in VARIANTS and VARIANTS[variant]:  # the engine's defaults but the decode kernel
@@ -107,14 +119,15 @@ def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list,
         floor_ms = setup.floor_bytes(b) / bw * 1e3
         cache = setup.cache
         kv_bytes = b * (args.context + 1) * cache.shape.bytes_per_page(torch.bfloat16) // cache.page_size
-        rows.append({"preset": preset, "variant": variant, "page_size": page_size, "bucket": b, "plan_ms": plan_ms,
+        rows.append({"preset": preset, "variant": variant, "blas": blas, "page_size": page_size, "bucket": b,
+                     "plan_ms": plan_ms,
                      "replay_ms": replay_ms, "step_ms": step_ms, "pipelined_ms": pipelined_ms, "kernels": n,
                      "kernel_ms": kernel_ms, "attention_ms": attention_ms,
                      # the attention kernels' share of the copy bandwidth: the KV they must read over their time
                      "attention_bw_share": kv_bytes / (attention_ms * 1e-3) / bw if attention_ms else None,
                      "floor_ms": floor_ms, "step/floor": step_ms / floor_ms,
                      "pipelined/floor": pipelined_ms / floor_ms})
-        details[f"{preset}/{variant}/page{page_size}/{b}"] = top
+        details[f"{preset}/{variant}/{blas}/page{page_size}/{b}"] = top
     runner.release()
 
 
@@ -129,6 +142,8 @@ def main() -> None:
                     help="flashinfer decode kernels: tensor_core_decode (fa2's prefill kernel, the default), "
                          "cuda_core_decode (the CUDA-core decode kernel), fa3_decode (fa3's, Hopper)")
     ap.add_argument("--page-sizes", default="16", help="KV-cache page sizes to compare (tokens)")
+    ap.add_argument("--blas", default="cublas", help="BLAS libraries to capture the GEMMs with: cublas (PyTorch's "
+                                                     "default), cublaslt")
     ap.add_argument("--checkpoints", default="/tmp/graphfleet-bench")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -137,11 +152,12 @@ def main() -> None:
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
             for page_size in (int(p) for p in args.page_sizes.split(",")):
-                measure_preset(preset, batches, args, bw, rows, details, variant, page_size)
-                torch.cuda.empty_cache()
-    print_table(rows, ["preset", "variant", "page_size", "bucket", "plan_ms", "replay_ms", "step_ms", "pipelined_ms",
-                       "kernels", "kernel_ms", "attention_ms", "attention_bw_share", "floor_ms", "step/floor",
-                       "pipelined/floor"])
+                for blas in args.blas.split(","):
+                    measure_preset(preset, batches, args, bw, rows, details, variant, page_size, blas)
+                    torch.cuda.empty_cache()
+    print_table(rows, ["preset", "variant", "blas", "page_size", "bucket", "plan_ms", "replay_ms", "step_ms",
+                       "pipelined_ms", "kernels", "kernel_ms", "attention_ms", "attention_bw_share", "floor_ms",
+                       "step/floor", "pipelined/floor"])
     for key, top in details.items():
         print(f"\n{key}: top kernels (ms, count)")
         for name, ms, count in top:

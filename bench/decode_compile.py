@@ -12,7 +12,10 @@ Attention goes through the ``graphfleet::attention`` custom op (as ``tc_full`` t
 sees the step as one graph; called directly, flashinfer's Python wrappers break it at every layer,
 the per-layer frames recompile past dynamo's limit, and inductor failed. The batch plans into
 flashinfer's CUDA-graph wrapper of its size, whose buffers keep their addresses, so the graphs
-cudagraph trees record read each later plan.
+cudagraph trees record read each later plan. The model's ``forward`` and ``compute_logits`` are
+compiled without their ``@torch.inference_mode()`` decorators, under ``torch.no_grad()``: with the
+decorators traced, inductor failed at every batch of both presets (``KeyError`` on a storage weakref
+in AOT autograd's functional call of the first projection; H100, 9204af9).
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ def compiled_ours(setup: Setup, b: int, repeats: int) -> None:
     step = ModelDecodeStep(setup.model, setup.attention, breakable=False)
     splitting = SplittingAttention(setup.attention)
 
+    model = setup.model
+    hidden_of = type(model).forward.__wrapped__  # the undecorated methods (see the module docstring)
+    logits_of = type(model).compute_logits.__wrapped__
+
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return setup.model.compute_logits(setup.model(input_ids, positions, splitting), dtype=None)
+        with torch.no_grad():
+            return logits_of(model, hidden_of(model, input_ids, positions, splitting), dtype=None)
 
     compiled = torch.compile(forward, mode="reduce-overhead", dynamic=False)
     live = setup.batch(b)
