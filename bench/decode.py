@@ -14,12 +14,15 @@ non-zero exit or a timeout is a row with the child's last stderr lines, never a 
 * ``ours_compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)`` of our decode step, what
   a user of our code would try (attention through our ``graphfleet::attention`` op); timed as ours,
   ``--compile-batches``, one ``bench/decode_compile.py`` child per batch, our environment.
+* ``engine``: our whole engine (graphs, async scheduling, sampling) through ``generate``, timed as the
+  vLLM peer is (below), one ``bench/decode_engine.py`` child for every batch: the serving loops side by
+  side (``engine_over_vllm`` below 1: ours is faster), where ``full`` is one graph step run serially.
 * ``hf``: HF transformers ``generate()`` with a static cache, eager (``disable_compile=True``);
   ``hf_compile``: the same with transformers' automatic torch.compile. ``--hf-batches``, our env.
 * ``vllm``: vLLM 0.25.0's offline ``LLM`` (CUDA graphs on), ``--vllm-batches``, in a child whose
   PYTHONPATH is ``--vllm-site`` alone (its pins differ from ours).
 
-HF and vLLM per token = (t(65 new tokens) - t(1 new token)) / 64 for b prompts of ``--context``
+Engine, HF and vLLM per token = (t(65 new tokens) - t(1 new token)) / 64 for b prompts of ``--context``
 random ids, medians of ``--peer-repeats`` after a warm-up: one decode step of batch b with their own
 sampling and loop (bench/decode_peers.py has the details). ``full_over_<peer>`` is our full graph
 step over the peer's (below 1: ours is faster). The JSON has, per preset, the table's rows (with
@@ -71,9 +74,9 @@ from worker.model.loader import load_model  # noqa: E402
 from worker.model_steps import CompiledDecodeStep, ModelDecodeStep  # noqa: E402
 
 CUDA = torch.device("cuda")
-PEERS = ("ours_compile", "hf", "hf_compile", "vllm")  # the order they run in
-PEER_COLUMNS = {"ours_compile": "ours_torch_compile_ms", "hf": "hf_generate_ms", "hf_compile": "hf_generate_compile_ms",
-                "vllm": "vllm_ms"}
+PEERS = ("ours_compile", "engine", "hf", "hf_compile", "vllm")  # the order they run in
+PEER_COLUMNS = {"ours_compile": "ours_torch_compile_ms", "engine": "engine_ms", "hf": "hf_generate_ms",
+                "hf_compile": "hf_generate_compile_ms", "vllm": "vllm_ms"}
 
 
 def timed(fn, repeats: int, warmup: int = 3) -> float:
@@ -215,6 +218,10 @@ def run_peers(path: Path, args: argparse.Namespace, peers: list[str]) -> dict[st
                      "--page-size", str(args.page_size)]
             out[peer] = merge_results(peer, [run_peer(peer, child + ["--batch", str(b)], dict(os.environ),
                                                       args.peer_timeout_s, [b]) for b in ints(args.compile_batches)])
+        elif peer == "engine":  # our whole engine, timed as vLLM's offline generate is
+            child = [sys.executable, str(Path(__file__).resolve().with_name("decode_engine.py")), "--model", str(path),
+                     "--batches", args.batches, "--context", str(ctx), "--repeats", str(reps)]
+            out[peer] = run_peer(peer, child, dict(os.environ), args.peer_timeout_s, ints(args.batches))
         elif peer in ("hf", "hf_compile"):
             out[peer] = hf_peer(path, ints(args.hf_batches), ctx, reps, args.peer_timeout_s, compile_=peer != "hf")
         else:
@@ -253,6 +260,8 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
             r[f"full_over_{peer}"] = full / step if step is not None and step > 0 else None
             if error:
                 r[f"{peer}_error"] = error
+        if r.get("engine_ms") and r.get("vllm_ms"):  # the two serving loops, each per output token
+            r["engine_over_vllm"] = r["engine_ms"] / r["vllm_ms"]
         out.append(r)
     return out
 
@@ -267,7 +276,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--peers", default="hf,ours_compile,vllm", help=f"any of {','.join(PEERS)}; empty for none")
+    ap.add_argument("--peers", default="hf,ours_compile,engine,vllm", help=f"any of {','.join(PEERS)}; empty for none")
     ap.add_argument("--compile-batches", default="1,64",
                     help="batch sizes for torch.compile of ours (each size compiles anew)")
     ap.add_argument("--hf-batches", default="1,8,64", help="batch sizes for HF generate")
@@ -315,7 +324,7 @@ def report(results: dict, peers: list[str]) -> None:
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
                  "two_kernel_over_fused", "split_over_full", "no_split_over_full", "fa3_over_full", "tc_full_ms",
                  "tc_full_over_full", "eager_ms", "breakable_ms",
-                 *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen)])
+                 *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen), "engine_over_vllm"])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])
         for peer, r in res["peers"].items():
