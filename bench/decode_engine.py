@@ -55,6 +55,7 @@ def timed_engine(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     engine = Engine(load_config(None, engine_overrides(Path(args.model), batches, args.context,
                                                        args.gpu_memory_fraction, args.num_pages)))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     try:
         for b in batches:
             try:
@@ -66,7 +67,6 @@ def timed_engine(args: argparse.Namespace) -> None:
                     if [len(o.token_ids) for o in outs] != [n] * b:
                         raise RuntimeError(f"asked for {n} tokens a row, got {[len(o.token_ids) for o in outs]}")
 
-                sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
                 emit("engine", b, **per_token(gen, args.repeats, sync))
             except Exception as e:  # noqa: BLE001 - a failing peer is a result
                 emit("engine", b, error=error_text(e))
