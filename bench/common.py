@@ -91,6 +91,30 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 3) -> list[
     return out
 
 
+def interleaved_wall_times(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None],
+                           warmup: int = 3, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Wall seconds per call of each of ``fns``, timed in rounds: each round calls every function once,
+    ``sync`` after each call, starting one function later than the round before. Drift over the run
+    (clocks, heat, the host's other work) then falls on every function alike, so their ratios are
+    fair where one-after-the-other timing is not. ``warmup`` untimed rounds come first; ``clock``
+    reads seconds."""
+    names = list(fns)
+    if not names:
+        return {}
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            t = clock()
+            fns[name]()
+            sync()
+            if r >= warmup:
+                out[name].append(clock() - t)
+    return out
+
+
 def decode_step_breakdown(engine, batch: int, context: int, repeats: int) -> dict[str, float]:
     """Median seconds of an engine step decoding ``batch`` requests of ``context`` random prompt
     tokens (after their prefill), and of its parts from the engine's step stats: ``execute_s`` (the

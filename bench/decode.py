@@ -3,9 +3,13 @@
 Ours, in this process: one checkpoint, weights and KV contents (random, never zero), ``--context``
 tokens per row; the eager step, the full CUDA graph and the breakable graph, each timed wall-clock
 around host planning, launch and a device sync (body and LM head, no sampling), median of
-``--repeats`` after warm-up. The HBM floor is (weights + KV read) / the device-to-device copy
-bandwidth measured at start. Also graph memory of the whole ladder on one pool against one pool per
-shape.
+``--repeats`` after warm-up. The graph variants (``full``, ``breakable`` and those below) are all
+captured first and then timed in interleaved rounds, one call of each per round
+(``bench.common.interleaved_wall_times``), so drift over the run does not bias their ratios (timed
+one after the other, two identical variants differed by up to 7% on tinyllama). Graph memory per
+variant is what its own capture added, with the earlier variants' graphs still held. The HBM floor
+is (weights + KV read) / the device-to-device copy bandwidth measured at start. Also graph memory of
+the whole ladder on one pool against one pool per shape.
 
 Peers (``--peers``), each in a process of its own, started one after the other once ours has
 released its GPU memory (a device-side assert poisons only the child's CUDA context; a crash, a
@@ -49,6 +53,7 @@ GPU machine (vLLM staged into /tmp/vllm-site): ``PYTHONPATH=/tmp/site:. python3 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -60,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import copy_bandwidth, environment, print_table, write_results  # noqa: E402
+from bench.common import copy_bandwidth, environment, interleaved_wall_times, print_table, write_results  # noqa: E402
 from bench.decode_peers import hf_peer, merge_results, run_peer, step_or_error, vllm_peer  # noqa: E402
 from bench.engine import ensure_checkpoint  # noqa: E402
 from graphs.backends import create_backend  # noqa: E402
@@ -158,29 +163,35 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) 
         variants.append(("full_fa3", setup.fa3))
     if tc_full:
         variants.append(("tc_full", setup.attention))
-    for name, attention in variants:
-        if name == "tc_full":  # graphs.decode.backend=tc_full: the compiled forward, one full graph a shape
-            step = CompiledDecodeStep(setup.model, attention)
-            backend = create_backend("tc_full", CUDA)
-        else:
-            step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
-            backend = create_backend(name.split("_")[0], CUDA)
-        runner = DecodeGraphRunner(step, backend, batches)
-        summary = runner.capture_all(progress=False)
-        if runner.failed:
-            raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
-        memory[name] = {"capture_s": summary.seconds, "bytes": summary.resident_bytes}
-        if name == "tc_full":
-            memory[name].update(compile_s=backend.compile_seconds, capture_only_s=backend.capture_seconds,
-                                compiles=backend.compiles, compile_error=step.compile_error)
-            if step.compile_error:  # it fell back to the plain forward: no tc_full numbers
-                runner.release()
-                continue
-        for b in runner.ladder:
+    runners = {}
+    try:
+        for name, attention in variants:
+            if name == "tc_full":  # graphs.decode.backend=tc_full: the compiled forward, one full graph a shape
+                step = CompiledDecodeStep(setup.model, attention)
+                backend = create_backend("tc_full", CUDA)
+            else:
+                step = ModelDecodeStep(setup.model, attention, breakable=name == "breakable")
+                backend = create_backend(name.split("_")[0], CUDA)
+            runner = DecodeGraphRunner(step, backend, batches)
+            summary = runner.capture_all(progress=False)
+            if runner.failed:
+                raise RuntimeError(f"{name} capture failed: {next(iter(runner.failed.values()))}")
+            memory[name] = {"capture_s": summary.seconds, "bytes": summary.resident_bytes}
+            if name == "tc_full":
+                memory[name].update(compile_s=backend.compile_seconds, capture_only_s=backend.capture_seconds,
+                                    compiles=backend.compiles, compile_error=step.compile_error)
+                if step.compile_error:  # it fell back to the plain forward: no tc_full numbers
+                    runner.release()
+                    continue
+            runners[name] = runner
+        for b in batches:  # every variant's replays in interleaved rounds: drift falls on all alike
             live = setup.batch(b)
-            choice = runner.decide(live)
-            rows[(name, b)] = timed(lambda: runner.execute(live, choice), repeats)
-        runner.release()
+            steps = {name: functools.partial(r.execute, live, r.decide(live)) for name, r in runners.items()}
+            for name, times in interleaved_wall_times(steps, repeats, torch.cuda.synchronize).items():
+                rows[(name, b)] = statistics.median(times)
+    finally:
+        for runner in runners.values():
+            runner.release()
         gc.collect()
     return rows, memory
 
