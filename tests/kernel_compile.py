@@ -20,6 +20,18 @@ VARIANTS = [
      {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": kv, "BLOCK_Q": 32, "BLOCK_KV": kv, "HALF": hd // 2, "PAGE_SIZE": 16})
     for kv, hd in [(4, 64), (8, 128)] for loc in ("i32", "i64")
 ]
+FUSED_DECODE_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q_row": "i32", "k_row": "i32",
+                          "v_row": "i32", "pos_ptr": "*i64", "loc_ptr": "*i32", "cos_sin_ptr": "*fp32",
+                          "cache_ptr": "*bf16", "indptr_ptr": "*i32", "indices_ptr": "*i32", "last_ptr": "*i32",
+                          "out_ptr": "*bf16", "part_ptr": "*fp32", "ml_ptr": "*fp32", "count_ptr": "*i32",
+                          "num_splits": "i32", "scale_log2": "fp32"}
+#: The fused decode attention kernel (worker/attention/fused_decode.py) at the same two shapes.
+VARIANTS += [
+    (f"fused_decode q_heads=32 kv_heads={kv} head_dim={hd}", "worker.attention.fused_decode", "_fused_decode_kernel",
+     FUSED_DECODE_SIGNATURE, {"GROUP": 32 // kv, "NUM_KV_HEADS": kv, "HALF": hd // 2, "PAGE_SIZE": 16, "BLOCK_N": 32,
+                              "BLOCK_G": 16})
+    for kv, hd in [(4, 64), (8, 128)]
+]
 
 
 def main() -> None:
