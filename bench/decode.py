@@ -39,6 +39,8 @@ same run (``two_kernel_over_fused`` above 1: the fused kernel is faster); ``full
 full graph with ``attention.decode_graph_split_kv`` off (no KV split, no merge kernel) and
 ``full_split`` with it on; ``full`` itself runs the engine's default, ``"auto"``, whose choice per
 batch is the ``graph_split_kv`` column.
+``full_fused_decode`` is the full graph with ``attention.fused_decode`` on (RoPE, the KV write and
+attention in one Triton kernel a layer; ``fused_decode_over_full`` below 1: it is faster).
 ``--fa3`` adds ``full_fa3``: the full graph with flashinfer's fa3 decode kernels
 (``attention.decode_kernel=fa3``, Hopper; ``fa3_over_full`` below 1: fa3 is faster).
 ``--tc-full`` adds ``tc_full`` (``graphs.decode.backend=tc_full``: the forward under torch.compile,
@@ -116,9 +118,12 @@ class Setup:
                                             self.pages_per_row, fast_decode_plan=True, **kw)
 
         self.attention = backend(fused_rope_store=True, decode_graph_split_kv="auto")
-        self.two_kernel = self.split = self.no_split = self.fa3 = None
+        self.two_kernel = self.split = self.no_split = self.fa3 = self.fused_decode = None
         if getattr(self.attention, "fused_rope_store", False):
             self.two_kernel = backend(decode_graph_split_kv="auto")
+        if attention == "flashinfer":  # our one-kernel decode attention (RoPE, KV write, attention, merge)
+            fused = backend(fused_rope_store=True, decode_graph_split_kv="auto", fused_decode=True)
+            self.fused_decode = fused if fused.fused_decode else None
         if attention == "flashinfer":  # decode graphs with and without flashinfer's KV split and merge kernel
             self.split = backend(fused_rope_store=True, decode_graph_split_kv=True)
             self.no_split = backend(fused_rope_store=True, decode_graph_split_kv=False)
@@ -161,6 +166,8 @@ def ours(setup: Setup, batches: list[int], repeats: int, tc_full: bool = False) 
         variants += [("full_split", setup.split), ("full_no_split", setup.no_split)]
     if setup.fa3 is not None:
         variants.append(("full_fa3", setup.fa3))
+    if setup.fused_decode is not None:
+        variants.append(("full_fused_decode", setup.fused_decode))
     if tc_full:
         variants.append(("tc_full", setup.attention))
     runners = {}
@@ -258,6 +265,9 @@ def preset_rows(preset: str, batches: list[int], rows: dict, floors: dict, peers
             r["two_kernel_over_fused"] = rows[("full_two_kernel", b)] / full
         if ("full_fa3", b) in rows:  # flashinfer's fa3 decode kernels
             r["full_fa3_ms"], r["fa3_over_full"] = rows[("full_fa3", b)] * 1e3, rows[("full_fa3", b)] / full
+        if ("full_fused_decode", b) in rows:  # our one-kernel decode attention
+            r["full_fused_decode_ms"] = rows[("full_fused_decode", b)] * 1e3
+            r["fused_decode_over_full"] = rows[("full_fused_decode", b)] / full
         for forced in ("split", "no_split"):  # decode graphs with the KV split forced on and off
             if (f"full_{forced}", b) in rows:
                 r[f"full_{forced}_ms"] = rows[(f"full_{forced}", b)] * 1e3
@@ -333,8 +343,8 @@ def report(results: dict, peers: list[str]) -> None:
     chosen = [p for p in PEERS if p in peers]
     print_table([r for res in results["presets"].values() for r in res["rows"]],
                 ["preset", "batch", "floor_ms", "full_ms", "full_over_floor", "graph_split_kv", "full_two_kernel_ms",
-                 "two_kernel_over_fused", "split_over_full", "no_split_over_full", "fa3_over_full", "tc_full_ms",
-                 "tc_full_over_full", "eager_ms", "breakable_ms",
+                 "two_kernel_over_fused", "split_over_full", "no_split_over_full", "fa3_over_full",
+                 "fused_decode_over_full", "tc_full_ms", "tc_full_over_full", "eager_ms", "breakable_ms",
                  *(PEER_COLUMNS[p] for p in chosen), *(f"full_over_{p}" for p in chosen), "engine_over_vllm"])
     for preset, res in results["presets"].items():
         print(preset, "graph memory:", res["graph_memory"])

@@ -35,7 +35,7 @@ from worker.model_steps import ModelDecodeStep  # noqa: E402
 CUDA = torch.device("cuda")
 #: flashinfer decode kernels by name: what each changes in the engine's default backend.
 VARIANTS = {"tensor_core_decode": {}, "cuda_core_decode": {"decode_use_tensor_cores": False},
-            "fa3_decode": {"decode_kernel": "fa3"}}
+            "fa3_decode": {"decode_kernel": "fa3"}, "fused_decode": {"fused_decode": True}}
 
 
 def kernels_of_replay(fn) -> tuple[int, float, list[tuple[str, float, int]], float]:
@@ -69,12 +69,13 @@ def pipelined(fn, steps: int = 50) -> float:
 
 
 def attention_kernel_ms(per_name: dict[str, list[float]]) -> float:
-    """Summed ms of flashinfer's attention kernels (prefill / decode kernels and the split-KV merge; on
-    Hopper, fa3's paged kernel is ``PrefillWithKVCacheKernel<SparseCollective...>``)."""
+    """Summed ms of the attention kernels: flashinfer's (prefill / decode kernels and the split-KV merge;
+    on Hopper, fa3's paged kernel is ``PrefillWithKVCacheKernel<SparseCollective...>``) and our fused
+    decode kernel (which also does RoPE and the KV write)."""
     return sum(sum(v) for n, v in per_name.items()
                if any(key in n for key in ("PrefillWithPagedKVCache", "PrefillWithKVCacheKernel",
                                            "DecodeWithPagedKVCache", "MergeStates",
-                                           "merge_states", "VariableLengthMergeStates")))
+                                           "merge_states", "VariableLengthMergeStates", "_fused_decode_kernel")))
 
 
 def measure_preset(preset: str, batches: list[int], args, bw: float, rows: list, details: dict,

@@ -36,14 +36,14 @@ class OwnModel:
 
     def __init__(self, model_dir, dtype=torch.float32, device="cpu", backend="torch",
                  num_pages=256, page_size=16, kernels=None, max_rows=64, max_pages_per_row=None,
-                 fused_rope_store=None):
+                 fused_rope_store=None, fused_decode=False):
         device = torch.device(device)
         self.model, self.arch = load_model(model_dir, dtype, device, kernels=kernels)
         shape = self.model.attention_shape
         self.cache = PagedKVCache(KVCacheShape(self.arch.num_layers, num_pages, page_size, shape.num_kv_heads,
                                                self.arch.head_dim), dtype, device)
         # fused_rope_store and decode_graph_split_kv as the Worker's defaults unless a test says
-        extra = {} if backend == "torch" else {"decode_graph_split_kv": "auto"}
+        extra = {} if backend == "torch" else {"decode_graph_split_kv": "auto", "fused_decode": fused_decode}
         self.attention = create_attention_backend(backend, shape, self.cache, max_rows, 4096,
                                                   max_pages_per_row or num_pages,
                                                   fused_rope_store=backend != "torch" if fused_rope_store is None

@@ -117,3 +117,103 @@ def test_shapes_it_does_not_serve_are_refused_by_name():
     q, k, v, pos, loc, cache, (indptr, indices, last), table, _ = _case([3, 2, 5], 4, 4, 32)
     with pytest.raises(ValueError, match="fused decode attention of 3 rows; this backend serves 1 to 2"):
         fused.launch(q, k, v, pos, table, cache, loc, indptr, indices, last, 0.1)
+
+
+# ---------------------------------------------------------------- in the flashinfer backend (GPU)
+
+
+def _backend_pair(q_heads, kv_heads, head_dim, rows):
+    """Two flashinfer backends over caches of the same random contents: one with the fused decode
+    kernel, one with the engine's default path (the fused RoPE + KV write, flashinfer's attention)."""
+    from worker.attention.base import AttentionShape
+    from worker.attention.flashinfer_backend import FlashInferBackend
+    from worker.kv_cache import KVCacheShape, PagedKVCache
+
+    cache = PagedKVCache(KVCacheShape(2, 40 * rows + 2, 16, kv_heads, head_dim), torch.bfloat16, "cuda")
+    cache.kv.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
+    twin = PagedKVCache(cache.shape, torch.bfloat16, "cuda")
+    twin.kv.copy_(cache.kv)
+    shape = AttentionShape(q_heads, kv_heads, head_dim, head_dim ** -0.5)
+    common = dict(fast_decode_plan=True, fused_rope_store=True, decode_graph_split_kv="auto")
+    fused = FlashInferBackend(shape, cache, rows, rows, 40, fused_decode=True, **common)
+    plain = FlashInferBackend(shape, twin, rows, rows, 40, **common)
+    assert fused.fused_decode and not plain.fused_decode
+    return fused, plain
+
+
+def _decode_batch(seed, rows, page=16):
+    """Live rows of random lengths (some ending on a page boundary or one past it) on distinct
+    shuffled pages, and padding rows on the dummy page up to ``rows``."""
+    from worker.attention.base import AttentionBatch
+
+    g = torch.Generator().manual_seed(seed)
+    live = max(1, rows - 2)
+    lens = [int(x) for x in torch.randint(1, 600, (live,), generator=g)]
+    lens[: 3] = [16, 17, 513][: live]
+    free = (torch.randperm(40 * rows, generator=g) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // page))] for n in lens]
+    pad = rows - live
+    batch = AttentionBatch.decode(lens + [1] * pad, tables + [[DUMMY]] * pad)
+    positions = torch.tensor([n - 1 for n in lens] + [0] * pad, device="cuda")
+    return batch, positions, live
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(32, 4, 64), (32, 8, 128)], ids=["tinyllama", "llama-3-8b"])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_the_backends_fused_decode_matches_its_flashinfer_path_eager_and_in_graphs(q_heads, kv_heads, head_dim, rows):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (make test-gpu)")
+    pytest.importorskip("flashinfer")
+    from worker.attention.base import Rope
+    from worker.model.flashinfer_kernels import FlashInferKernels
+
+    fused, plain = _backend_pair(q_heads, kv_heads, head_dim, rows)
+    table = cos_sin_cache(head_dim, 10000.0, None, 4096, torch.device("cuda"))
+    width = (q_heads + 2 * kv_heads) * head_dim
+    static = {b: (torch.zeros(rows, width, dtype=torch.bfloat16, device="cuda"),
+                  torch.zeros(rows, dtype=torch.int64, device="cuda")) for b in ("fused", "plain")}
+    backends = {"fused": fused, "plain": plain}
+
+    def forward(name):
+        qkv, positions = static[name]
+        q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        rope = Rope(positions, table, head_dim, FlashInferKernels().apply_rope)
+        return backends[name].run_with_rope(1, rope, q, k, v)
+
+    def step(seed, run):
+        batch, positions, live = _decode_batch(seed, rows)
+        qkv = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
+        outs = {}
+        for name, backend in backends.items():
+            backend.plan(batch)
+            static[name][0].copy_(qkv)
+            static[name][1].copy_(positions)
+            outs[name] = run(name)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(outs["fused"][:live].float(), outs["plain"][:live].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(fused.kv_cache.kv.float(), plain.kv_cache.kv.float(), rtol=0, atol=1e-2)
+        assert int(fused._fused_decode.counters.abs().sum()) == 0
+
+    for seed in range(2):  # eager, before any graph wrapper exists
+        step(seed, forward)
+    graphs, outputs = {}, {}
+    for name, backend in backends.items():
+        backend.graph_wrapper(False, rows)
+        backend.plan(_decode_batch(99, rows)[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(name)  # warm-up outside the capture (JIT, cached buffers)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            outputs[name] = forward(name)
+    fused.kv_cache.kv.copy_(plain.kv_cache.kv)  # the warm-ups wrote this step's KV of different batches
+
+    def replay(name):
+        graphs[name].replay()
+        return outputs[name]
+
+    for seed in range(2, 5):  # replays after re-planning other batches of the same shape
+        step(seed, replay)

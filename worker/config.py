@@ -75,6 +75,12 @@ class AttentionConfig(Section):
         first use JIT-compiles where flashinfer's cache lacks it). fa3 decode re-plans through
         flashinfer's own plan (the fast plan reproduces fa2's). "fa2" until bench/decode_breakdown.py
         and bench/prefill.py measure fa3 faster on the GPU.
+    fused_decode: flashinfer only: a decode step's attention runs as one Triton kernel a layer
+        (worker/attention/fused_decode.py: RoPE, the KV write and paged attention, the KV split
+        merged inside), where the default launches three at small batches (the fused RoPE + KV
+        write, flashinfer's attention and its merge). Off until bench/decode.py
+        (``full_fused_decode``) measures it faster on the GPU; breakable decode graphs keep
+        flashinfer's attention in their eager breaks either way.
     """
 
     backend: AttentionBackend = "auto"
@@ -83,6 +89,7 @@ class AttentionConfig(Section):
     decode_graph_split_kv: bool | Literal["auto"] = "auto"
     prefill_kernel: FlashInferKernel = "fa2"
     decode_kernel: FlashInferKernel = "fa2"
+    fused_decode: bool = False
 
 
 @dataclass(frozen=True)

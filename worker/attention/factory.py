@@ -21,7 +21,7 @@ def flashinfer_importable() -> bool:
 
 #: The settings of an ``attention`` config section that only the flashinfer backend reads.
 FLASHINFER_OPTIONS = ("fast_decode_plan", "fused_rope_store", "decode_graph_split_kv", "prefill_kernel",
-                      "decode_kernel")
+                      "decode_kernel", "fused_decode")
 
 
 def flashinfer_options(config: Any) -> dict[str, Any]:
@@ -34,10 +34,10 @@ def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKV
                              max_num_tokens: int, max_pages_per_row: int, *,
                              fast_decode_plan: bool = False, fused_rope_store: bool = False,
                              decode_graph_split_kv: bool | str = True, prefill_kernel: str = "fa2",
-                             decode_kernel: str = "fa2") -> AttentionBackend:
+                             decode_kernel: str = "fa2", fused_decode: bool = False) -> AttentionBackend:
     """``auto`` takes flashinfer when the cache is on CUDA and flashinfer imports, else torch.
-    ``fast_decode_plan``, ``fused_rope_store``, ``decode_graph_split_kv``, ``prefill_kernel`` and
-    ``decode_kernel`` are flashinfer's (:class:`FlashInferBackend`); the torch backend is the
+    ``fast_decode_plan``, ``fused_rope_store``, ``decode_graph_split_kv``, ``prefill_kernel``,
+    ``decode_kernel`` and ``fused_decode`` are flashinfer's (:class:`FlashInferBackend`); the torch backend is the
     reference and keeps its plain RoPE and store."""
     if name == "auto":
         name = "flashinfer" if kv_cache.device.type == "cuda" and flashinfer_importable() else "torch"
@@ -55,5 +55,5 @@ def create_attention_backend(name: str, shape: AttentionShape, kv_cache: PagedKV
         return FlashInferBackend(shape, kv_cache, max_num_rows, max_num_tokens, max_pages_per_row,
                                  fast_decode_plan=fast_decode_plan, fused_rope_store=fused_rope_store,
                                  decode_graph_split_kv=decode_graph_split_kv, prefill_kernel=prefill_kernel,
-                                 decode_kernel=decode_kernel)
+                                 decode_kernel=decode_kernel, fused_decode=fused_decode)
     raise ValueError(f"attention.backend={name!r}; allowed: auto, torch, flashinfer")

@@ -46,7 +46,7 @@ shape (40 prefill shapes: 320 MiB). ``plan`` and ``run``/replay must be issued o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -56,9 +56,11 @@ from worker.attention.base import AttentionBackend, AttentionBatch, AttentionSha
 from worker.attention.flashinfer_metadata import (
     build_metadata,
     check_kernels,
+    fast_decode_plan,
     fast_plan_applies,
     graph_decode_split_rows,
 )
+from worker.attention.triton_paths import decode_attention_kernel, rope_store_launch
 from worker.kv_cache import PagedKVCache
 
 INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own default for a wrapper's int workspace
@@ -72,16 +74,6 @@ def _import_flashinfer() -> Any:
     except Exception as exc:  # noqa: BLE001 - a broken install is as unusable as a missing one
         raise ImportError(INSTALL_HINT) from exc
     return flashinfer
-
-
-def _fused_rope_store(head_dim: int) -> Callable[..., None] | None:
-    """The fused RoPE + KV-write launch (:func:`worker.attention.rope_store.launch`) when Triton
-    imports and the kernel serves ``head_dim``; else None (the two-kernel path serves)."""
-    try:
-        from worker.attention.rope_store import launch, supports
-    except Exception:  # noqa: BLE001 - no Triton (or a broken one)
-        return None
-    return launch if supports(head_dim) else None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -113,7 +105,7 @@ class FlashInferBackend(AttentionBackend):
                  decode_use_tensor_cores: bool = True, q_dtype: torch.dtype | None = None,
                  fast_decode_plan: bool = False, fused_rope_store: bool = False,
                  decode_graph_split_kv: bool | str = True, prefill_kernel: str = "fa2",
-                 decode_kernel: str = "fa2") -> None:
+                 decode_kernel: str = "fa2", fused_decode: bool = False) -> None:
         super().__init__(shape, kv_cache, max_num_rows, max_num_tokens)
         self._fi = _import_flashinfer()
         dev = kv_cache.device
@@ -136,7 +128,8 @@ class FlashInferBackend(AttentionBackend):
         # Decided once: captured decode shapes of fewer rows split the KV (checks the setting too).
         self._split_rows = graph_decode_split_rows(decode_graph_split_kv, shape.num_kv_heads,
                                                    torch.cuda.get_device_properties(dev).multi_processor_count)
-        self._rope_store = _fused_rope_store(shape.head_dim) if fused_rope_store else None
+        self._rope_store = rope_store_launch(shape.head_dim) if fused_rope_store else None
+        self._fused_decode = decode_attention_kernel(shape, max_num_rows, dev) if fused_decode else None
         self.max_pages_per_row = max_pages_per_row or kv_cache.num_pages - 1
         rows, toks = max_num_rows, max_num_tokens
         # The prefill capacity plan (see graph_wrapper) puts all tokens of a shape in one row.
@@ -181,6 +174,7 @@ class FlashInferBackend(AttentionBackend):
         self._active: Any = None
         self._num_q = 0
         self._num_tokens = -1
+        self._decode_planned = False
         warm = getattr(getattr(self._fi, "utils", None), "_get_cache_alibi_slopes_buf", None)
         if warm is not None:  # run() fetches this cached tensor; create it outside any capture
             warm(shape.num_q_heads, dev)
@@ -275,7 +269,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper = self._eager_prefill if batch.is_prefill else self._eager_decode
 
         self._staged.synchronize()
-        self._active = None  # a plan that fails half-way must not leave run() usable
+        self._active, self._decode_planned = None, False  # a plan that fails half-way must not leave run() usable
         off, h = self._offsets, self._host_np
         for key, values in (("qo_indptr", qo), ("kv_indptr", kv), ("last_page_len", last), ("locations", locations),
                             ("indices", indices)):
@@ -322,26 +316,14 @@ class FlashInferBackend(AttentionBackend):
         self._staged.record()
         self._active = wrapper
         self._num_tokens = toks
+        self._decode_planned = not batch.is_prefill
 
     def _fast_plan(self, wrapper: Any, rows: int, seq: Sequence[int]) -> None:
-        """Re-plan a graph decode wrapper (planned the ordinary way before, same shape) from the
-        host twin just written: its indptr and last_page_len regions are on the device already, so
-        only flashinfer's scheduler runs. ``seq`` holds the live rows' KV lengths; padding rows have
-        one token each. The arguments mirror ``BatchDecodeWithPagedKVCacheWrapper.plan`` (tensor
-        cores, fa2, one query token a row, no window, no fixed split; causal, window_left,
-        fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len last)."""
-        live = len(seq)
-        lens = self._kv_lens_np
-        lens[:live] = seq
-        lens[live:rows] = 1
-        s = self.shape
-        # Only the plan info changes: the fa2 run reads no other state plan sets (``_max_kv_len``
-        # is the trtllm-gen and cute-dsl paths').
-        wrapper._plan_info = wrapper._cached_module.plan(
-            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
-            self._decode_qo_host[: rows + 1], self._host_views["kv_indptr"][: rows + 1], self._kv_lens_host[:rows],
-            rows, rows, s.num_q_heads, s.num_kv_heads, self.page_size, True, s.head_dim, s.head_dim,
-            False, -1, -1, not self.graph_splits_kv(rows), 0, 0)
+        """Re-plan a graph decode wrapper from the host twin just written (:func:`fast_decode_plan`)."""
+        self._kv_lens_np[: len(seq)] = seq
+        self._kv_lens_np[len(seq): rows] = 1
+        fast_decode_plan(wrapper, self.shape, self.page_size, rows, self._decode_qo_host,
+                         self._host_views["kv_indptr"], self._kv_lens_host, split_kv=self.graph_splits_kv(rows))
 
     def graph_splits_kv(self, rows: int) -> bool:
         """Whether the captured decode shape of ``rows`` rows splits each row's KV
@@ -370,6 +352,25 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError(f"store_rotated() with {tokens} tokens, but the last plan() was for {self._num_tokens}")
         self._rope_store(q, k, v, rope.positions, rope.cos_sin_cache, self.kv_cache.layer(layer), self.locations)
         return q.view(tokens, self.shape.num_q_heads, self.shape.head_dim)
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether decode plans attend through the fused decode kernel (asked for, Triton present, shape served)."""
+        return self._fused_decode is not None
+
+    def run_with_rope(self, layer: int, rope: Rope, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """With ``fused_decode`` and a decode plan: RoPE, the KV write and attention in one Triton
+        launch (:mod:`worker.attention.fused_decode`, graph-safe) over the planned metadata; else
+        :meth:`store_rotated`, then flashinfer's attention. ``q`` and ``k`` are only read there."""
+        if not self._decode_planned or self._fused_decode is None or torch.compiler.is_compiling():
+            return super().run_with_rope(layer, rope, q, k, v)
+        if q.shape[0] != self._num_tokens:
+            raise RuntimeError(f"run_with_rope() with {q.shape[0]} tokens, but the last plan() was for "
+                               f"{self._num_tokens}")
+        return self._fused_decode.launch(q, k, v, rope.positions, rope.cos_sin_cache, self.kv_cache.layer(layer),
+                                         self.locations, self.paged_kv_indptr, self.paged_kv_indices,
+                                         self.paged_kv_last_page_len, self.shape.scale)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v`` at the planned locations (one fused kernel; graph-safe)."""

@@ -87,3 +87,20 @@ def fast_plan_applies(wrapper: Any) -> bool:
             and a(wrapper, "_q_len_per_req", None) == 1 and a(wrapper, "_window_left", None) == -1
             and not a(wrapper, "_uses_cudnn", False) and a(wrapper, "_cached_module", None) is not None
             and hasattr(wrapper, "_pin_memory_int_workspace_buffer") and a(wrapper, "_plan_info", None) is not None)
+
+
+def fast_decode_plan(wrapper: Any, shape: Any, page_size: int, rows: int, qo_indptr: Any, kv_indptr: Any,
+                     kv_lens: Any, split_kv: bool) -> None:
+    """Re-plan a graph decode wrapper (planned the ordinary way before, same shape) through
+    flashinfer's compiled scheduler alone: its indptr and last_page_len regions are on the device
+    already. ``qo_indptr``, ``kv_indptr`` and ``kv_lens`` are pinned host int32 tensors of at least
+    ``rows + 1`` / ``rows + 1`` / ``rows`` entries (padding rows: one token each). The arguments
+    mirror ``BatchDecodeWithPagedKVCacheWrapper.plan`` of flashinfer 0.7.2 (tensor cores, fa2, one
+    query token a row, no window, no fixed split; causal, window_left, fixed_split_size,
+    disable_split_kv, num_colocated_ctas, uniform_q_len last)."""
+    # Only the plan info changes: the fa2 run reads no other state plan sets (``_max_kv_len``
+    # is the trtllm-gen and cute-dsl paths').
+    wrapper._plan_info = wrapper._cached_module.plan(
+        wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
+        qo_indptr[: rows + 1], kv_indptr[: rows + 1], kv_lens[:rows], rows, rows, shape.num_q_heads,
+        shape.num_kv_heads, page_size, True, shape.head_dim, shape.head_dim, False, -1, -1, not split_kv, 0, 0)
