@@ -192,7 +192,9 @@ def test_the_backends_fused_decode_matches_its_flashinfer_path_eager_and_in_grap
             outs[name] = run(name)
         torch.cuda.synchronize()
         torch.testing.assert_close(outs["fused"][:live].float(), outs["plain"][:live].float(), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(fused.kv_cache.kv.float(), plain.kv_cache.kv.float(), rtol=0, atol=1e-2)
+        # Every page but the dummy one, where the padding rows' writes race (either may land last).
+        torch.testing.assert_close(fused.kv_cache.layer(1)[1:].float(), plain.kv_cache.layer(1)[1:].float(),
+                                   rtol=1e-2, atol=1e-2)
         assert int(fused._fused_decode.counters.abs().sum()) == 0
 
     for seed in range(2):  # eager, before any graph wrapper exists
