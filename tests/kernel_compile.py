@@ -28,8 +28,8 @@ FUSED_DECODE_SIGNATURE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", 
 #: The fused decode attention kernel (worker/attention/fused_decode.py) at the same two shapes.
 VARIANTS += [
     (f"fused_decode q_heads=32 kv_heads={kv} head_dim={hd}", "worker.attention.fused_decode", "_fused_decode_kernel",
-     FUSED_DECODE_SIGNATURE, {"GROUP": 32 // kv, "NUM_KV_HEADS": kv, "HALF": hd // 2, "PAGE_SIZE": 16, "BLOCK_N": 32,
-                              "BLOCK_G": 16})
+     FUSED_DECODE_SIGNATURE, {"GROUP": 32 // kv, "GROUP_P2": 32 // kv, "NUM_KV_HEADS": kv, "HALF": hd // 2,
+                              "PAGE_SIZE": 16, "BLOCK_N": 32, "BLOCK_G": 16, "MAX_SPLITS": 8})
     for kv, hd in [(4, 64), (8, 128)]
 ]
 

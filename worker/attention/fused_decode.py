@@ -13,8 +13,9 @@ softmax in float32, base 2). The program of the last split also rotates this ste
 k and v into the cache at the row's location, and takes the new token into its softmax from
 registers: no program reads a cache slot written in the same launch. With ``splits > 1`` each
 program writes its partial (max, sum, unnormalised output) to a scratch slot and counts itself
-done on a per (row, KV head) counter; the program that arrives last merges the partials and
-resets the counter to zero, so a captured graph replays with the counters as it found them.
+done on a per (row, KV head) counter; the program that arrives last merges the partials (each
+split's in one load, no chain of dependent loads) and resets the counter to zero, so a captured
+graph replays with the counters as it found them.
 
 Metadata is flashinfer's paged layout for one query token a row: ``kv_indptr`` (rows + 1),
 ``kv_indices`` and ``kv_last_page_len`` (rows); a row's length (this step's token included) is
@@ -41,8 +42,9 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _fused_decode_kernel(q_ptr, k_ptr, v_ptr, q_row, k_row, v_row, pos_ptr, loc_ptr, cos_sin_ptr, cache_ptr,
                          indptr_ptr, indices_ptr, last_ptr, out_ptr, part_ptr, ml_ptr, count_ptr, num_splits,
-                         scale_log2, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+                         scale_log2, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -129,32 +131,31 @@ def _fused_decode_kernel(q_ptr, k_ptr, v_ptr, q_row, k_row, v_row, pos_ptr, loc_
         tl.store(o_at + HALF, (acc2 / den[:, None]).to(out_dt), mask=g_mask)
     else:
         base = (r * NUM_KV_HEADS + h) * num_splits
-        p_at = part_ptr + ((base + s) * BLOCK_G + g) * D + d[None, :]
-        tl.store(p_at, acc1)
-        tl.store(p_at + HALF, acc2)
-        ml_at = ml_ptr + ((base + s) * BLOCK_G + gi) * 2
-        tl.store(ml_at, m)
-        tl.store(ml_at + 1, den)
+        p_at = part_ptr + ((base + s) * GROUP_P2 + g) * D + d[None, :]
+        tl.store(p_at, acc1, mask=g_mask)
+        tl.store(p_at + HALF, acc2, mask=g_mask)
+        ml_at = ml_ptr + ((base + s) * GROUP_P2 + gi) * 2
+        tl.store(ml_at, m, mask=gi < GROUP)
+        tl.store(ml_at + 1, den, mask=gi < GROUP)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
         counter = count_ptr + r * NUM_KV_HEADS + h
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the last split merges
-            mm = tl.full([BLOCK_G], -1.0e30, tl.float32)
-            ll = tl.zeros([BLOCK_G], tl.float32)
-            o1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-            o2 = tl.zeros([BLOCK_G, HALF], tl.float32)
-            for j in range(num_splits):
-                mj = tl.load(ml_ptr + ((base + j) * BLOCK_G + gi) * 2, cache_modifier=".cg")
-                lj = tl.load(ml_ptr + ((base + j) * BLOCK_G + gi) * 2 + 1, cache_modifier=".cg")
-                aj = part_ptr + ((base + j) * BLOCK_G + g) * D + d[None, :]
-                m_new = tl.maximum(mm, mj)
-                wa = tl.exp2(mm - m_new)
-                wb = tl.exp2(mj - m_new)
-                ll = ll * wa + lj * wb
-                o1 = o1 * wa[:, None] + tl.load(aj, cache_modifier=".cg") * wb[:, None]
-                o2 = o2 * wa[:, None] + tl.load(aj + HALF, cache_modifier=".cg") * wb[:, None]
-                mm = m_new
-            tl.store(o_at, (o1 / ll[:, None]).to(out_dt), mask=g_mask)
-            tl.store(o_at + HALF, (o2 / ll[:, None]).to(out_dt), mask=g_mask)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:  # the last split merges them all
+            # Every split's partial in one load each (no loop of dependent loads): (splits, group[, HALF]).
+            j = tl.arange(0, MAX_SPLITS)[:, None]
+            gp = tl.arange(0, GROUP_P2)[None, :]
+            sg_mask = (j < num_splits) & (gp < GROUP)
+            at = (base + j) * GROUP_P2 + gp
+            mj = tl.load(ml_ptr + at * 2, mask=sg_mask, other=-1.0e30, cache_modifier=".cg")
+            lj = tl.load(ml_ptr + at * 2 + 1, mask=sg_mask, other=0.0, cache_modifier=".cg")
+            w = tl.exp2(mj - tl.max(mj, 0)[None, :])
+            total = tl.maximum(tl.sum(w * lj, 0), 1.0e-30)  # >= 1 in a real row; padding rows stay finite
+            a_at = part_ptr + at[:, :, None] * D + d[None, None, :]
+            a1 = tl.load(a_at, mask=sg_mask[:, :, None], other=0.0, cache_modifier=".cg")
+            a2 = tl.load(a_at + HALF, mask=sg_mask[:, :, None], other=0.0, cache_modifier=".cg")
+            go = tl.arange(0, GROUP_P2)[:, None]
+            m_at = out_ptr + (r * (NUM_KV_HEADS * GROUP) + h * GROUP + go) * D + d[None, :]
+            tl.store(m_at, (tl.sum(a1 * w[:, :, None], 0) / total[:, None]).to(out_dt), mask=go < GROUP)
+            tl.store(m_at + HALF, (tl.sum(a2 * w[:, :, None], 0) / total[:, None]).to(out_dt), mask=go < GROUP)
             tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
 
 
@@ -184,10 +185,11 @@ class FusedDecodeAttention:
                              "head_dim / 2 a power of two >= 16")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.num_sms, self.max_rows = num_sms, max_rows
+        self.group_p2 = triton.next_power_of_2(num_q_heads // num_kv_heads)
         slots = max(rows * num_kv_heads * decode_splits(rows, num_kv_heads, num_sms)
                     for rows in range(1, max_rows + 1))
-        self.partials = torch.empty(slots * BLOCK_G * head_dim, dtype=torch.float32, device=device)
-        self.max_sums = torch.empty(slots * BLOCK_G * 2, dtype=torch.float32, device=device)
+        self.partials = torch.empty(slots * self.group_p2 * head_dim, dtype=torch.float32, device=device)
+        self.max_sums = torch.empty(slots * self.group_p2 * 2, dtype=torch.float32, device=device)
         self.counters = torch.zeros(max_rows * num_kv_heads, dtype=torch.int32, device=device)
 
     def splits(self, rows: int) -> int:
@@ -214,6 +216,6 @@ class FusedDecodeAttention:
         kernel_for(_fused_decode_kernel, q.device)[(rows, kv_heads, splits)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, locations, cos_sin_cache, cache,
             kv_indptr, kv_indices, kv_last_page_len, out, self.partials, self.max_sums, self.counters, splits,
-            scale * _LOG2E, GROUP=self.num_q_heads // kv_heads, NUM_KV_HEADS=kv_heads, HALF=head_dim // 2,
-            PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, BLOCK_G=BLOCK_G)
+            scale * _LOG2E, GROUP=self.num_q_heads // kv_heads, GROUP_P2=self.group_p2, NUM_KV_HEADS=kv_heads,
+            HALF=head_dim // 2, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, BLOCK_G=BLOCK_G, MAX_SPLITS=MAX_SPLITS)
         return out
