@@ -161,8 +161,10 @@ class ReportReader:
     def read(self, timeout_s: float):
         """The next report; ``TimeoutError`` when none came within ``timeout_s`` (the link is then
         unusable: a frame may be half read), :class:`LinkClosed` when the link ended."""
-        self._sock.settimeout(timeout_s)
         try:
+            # Inside the try: a close() from another thread just before this read makes even the
+            # timeout call fail (EBADF), and that too is the link ending, not a fault of the read.
+            self._sock.settimeout(timeout_s)
             (size,) = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
             if size > MAX_FRAME_BYTES:
                 raise LinkClosed(f"a frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")

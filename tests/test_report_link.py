@@ -155,6 +155,16 @@ def test_closing_the_reader_wakes_a_blocked_read(served):
     assert isinstance(outcome[0], LinkClosed)
 
 
+def test_a_read_after_the_reader_was_closed_is_the_link_ending(served):
+    # The fleet's watcher closes the reader when a rank dies; a read that starts just after must
+    # say the link ended (so the fleet reports the watcher's reason), not fail with EBADF.
+    _, server = served
+    reader = ReportReader(server.address)
+    reader.close()
+    with pytest.raises(LinkClosed, match="Bad file descriptor"):
+        reader.read(1.0)
+
+
 def test_a_frame_over_the_limit_is_refused_as_corrupt():
     listener = socket.create_server(("127.0.0.1", 0))
     token = b"\7" * 32
