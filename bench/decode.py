@@ -121,10 +121,9 @@ class Setup:
         self.two_kernel = self.split = self.no_split = self.fa3 = self.fused_decode = None
         if getattr(self.attention, "fused_rope_store", False):
             self.two_kernel = backend(decode_graph_split_kv="auto")
-        if attention == "flashinfer":  # our one-kernel decode attention (RoPE, KV write, attention, merge)
-            fused = backend(fused_rope_store=True, decode_graph_split_kv="auto", fused_decode=True)
-            self.fused_decode = fused if fused.fused_decode else None
         if attention == "flashinfer":  # decode graphs with and without flashinfer's KV split and merge kernel
+            fused = backend(fused_rope_store=True, decode_graph_split_kv="auto", fused_decode=True)
+            self.fused_decode = fused if fused.fused_decode else None  # our one-kernel decode attention
             self.split = backend(fused_rope_store=True, decode_graph_split_kv=True)
             self.no_split = backend(fused_rope_store=True, decode_graph_split_kv=False)
             if fa3:

@@ -186,8 +186,9 @@ class FusedDecodeAttention:
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.num_sms, self.max_rows = num_sms, max_rows
         self.group_p2 = triton.next_power_of_2(num_q_heads // num_kv_heads)
-        slots = max(rows * num_kv_heads * decode_splits(rows, num_kv_heads, num_sms)
-                    for rows in range(1, max_rows + 1))
+        # Only shapes that split write partials (one slot a row, KV head and split).
+        slots = max((rows * num_kv_heads * n for rows in range(1, max_rows + 1)
+                     if (n := decode_splits(rows, num_kv_heads, num_sms)) > 1), default=1)
         self.partials = torch.empty(slots * self.group_p2 * head_dim, dtype=torch.float32, device=device)
         self.max_sums = torch.empty(slots * self.group_p2 * 2, dtype=torch.float32, device=device)
         self.counters = torch.zeros(max_rows * num_kv_heads, dtype=torch.int32, device=device)
