@@ -60,7 +60,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -87,16 +86,9 @@ PEER_COLUMNS = {"ours_compile": "ours_torch_compile_ms", "engine": "engine_ms", 
 
 
 def timed(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median wall seconds of ``fn`` and a device sync, after ``warmup`` calls."""
+    torch.cuda.synchronize()  # work queued before (a warm-up elsewhere) never counts against the first call
+    return statistics.median(interleaved_wall_times({"fn": fn}, repeats, torch.cuda.synchronize, warmup)["fn"])
 
 
 class Setup:

@@ -15,6 +15,16 @@ from worker.scheduler import ScheduledBatch
 from worker.step_message import build_step_message
 
 
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int,
+                   head_dim: int) -> torch.Tensor:
+    """NeoX RoPE of ``x`` (tokens, heads*D) at ``positions`` from a ``cos_sin_cache`` table, in
+    float32, as (tokens, heads, D): the reference of our Triton RoPE kernels."""
+    cos, sin = table[positions.long()].chunk(2, dim=-1)
+    x = x.float().view(x.shape[0], heads, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest absolute difference over the largest reference magnitude."""
     ours, ref = ours.float().cpu(), ref.float().cpu()

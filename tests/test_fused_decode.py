@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import rope_reference
 from worker.model.rotary import cos_sin_cache
 
 pytest.importorskip("triton", reason="the fused decode attention kernel is written in Triton")
@@ -53,19 +54,12 @@ def _case(seq_lens, q_heads, kv_heads, head_dim, seed=0):
     return q, k, v, positions, torch.tensor(locations, **i32), cache, meta, table, tables
 
 
-def _rotated(x, positions, table, heads, head_dim):
-    cos, sin = table[positions.long()].chunk(2, dim=-1)
-    x = x.float().view(x.shape[0], heads, head_dim)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
-
-
 def _expected(q, k, v, positions, locations, cache, table, tables, q_heads, kv_heads, head_dim, scale):
     """(attention output, the cache after this step's writes), float32, computed the unfused way:
     rotate, store, then attend over every token of the row from the cache."""
     cache = cache.clone()
-    k_rot = _rotated(k, positions, table, kv_heads, head_dim)
-    q_rot = _rotated(q, positions, table, q_heads, head_dim)
+    k_rot = rope_reference(k, positions, table, kv_heads, head_dim)
+    q_rot = rope_reference(q, positions, table, q_heads, head_dim)
     v3 = v.view(v.shape[0], kv_heads, head_dim)
     for r, loc in enumerate(locations.tolist()):
         cache[loc // PAGE, 0, loc % PAGE] = k_rot[r]

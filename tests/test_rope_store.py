@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import rope_reference
 from worker.model.rotary import cos_sin_cache
 
 pytest.importorskip("triton", reason="the fused RoPE + KV-write kernel is written in Triton")
@@ -35,22 +36,15 @@ def _case(tokens, q_heads, kv_heads, head_dim, dtype, device, index_dtype=torch.
     return qkv, q, k, v, positions, locations.to(index_dtype).to(device), cache, table
 
 
-def _rotated(x, positions, table, heads, head_dim):
-    cos, sin = table[positions.long()].chunk(2, dim=-1)
-    x = x.float().view(x.shape[0], heads, head_dim)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
-
-
 def _expected(q, k, v, positions, locations, cache, table, q_heads, kv_heads, head_dim):
     """(rotated q, the cache after the writes) in float32; the last writer of a slot wins."""
     out = cache.float().clone()
-    k_rot = _rotated(k, positions, table, kv_heads, head_dim)
+    k_rot = rope_reference(k, positions, table, kv_heads, head_dim)
     v3 = v.float().view(v.shape[0], kv_heads, head_dim)
     for t, loc in enumerate(locations.long().tolist()):
         out[loc // PAGE, 0, loc % PAGE] = k_rot[t]
         out[loc // PAGE, 1, loc % PAGE] = v3[t]
-    return _rotated(q, positions, table, q_heads, head_dim), out
+    return rope_reference(q, positions, table, q_heads, head_dim), out
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.attention.base import AttentionBatch, locations_of, row_geometry
+from worker.attention.base import AttentionBatch, AttentionShape, locations_of, row_geometry
 
 
 def build_metadata(batch: AttentionBatch, page_size: int
@@ -89,7 +89,7 @@ def fast_plan_applies(wrapper: Any) -> bool:
             and hasattr(wrapper, "_pin_memory_int_workspace_buffer") and a(wrapper, "_plan_info", None) is not None)
 
 
-def fast_decode_plan(wrapper: Any, shape: Any, page_size: int, rows: int, qo_indptr: Any, kv_indptr: Any,
+def fast_decode_plan(wrapper: Any, shape: AttentionShape, page_size: int, rows: int, qo_indptr: Any, kv_indptr: Any,
                      kv_lens: Any, split_kv: bool) -> None:
     """Re-plan a graph decode wrapper (planned the ordinary way before, same shape) through
     flashinfer's compiled scheduler alone: its indptr and last_page_len regions are on the device
